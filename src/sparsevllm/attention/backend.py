@@ -1,0 +1,72 @@
+"""Attention backends: prefill and decode attention over per-layer slot tables.
+
+A backend owns nothing but references to the runner's KV tensors. Each call stores
+the new tokens' K/V into their slots, then attends every new query to its sequence's
+view (the ordered slots it may read, ending with the new tokens themselves).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one model forward needs to know about the step's batch.
+
+    Tokens of all scheduled sequences are flattened: sequence i owns query rows
+    `q_starts[i] : q_starts[i] + q_lens[i]`.
+    """
+
+    positions: torch.Tensor  # [T] logical positions (RoPE)
+    q_starts: list[int]
+    q_lens: list[int]
+    slot_mapping: list[torch.Tensor]  # per layer group: [T] slot of every new token
+    views: list[list[torch.Tensor]]  # per layer group, per sequence: [L_i] slot ids
+    group_of_layer: list[int]
+    logits_indices: torch.Tensor  # [S] rows whose hidden state is turned into logits
+    backend: AttentionBackend
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+
+class AttentionBackend(abc.ABC):
+    """Stores K/V into slots and computes causal attention over slot views."""
+
+    name: str = "abstract"
+
+    def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
+        # Per layer: [num_slots, num_kv_heads, head_dim]
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+# name -> "module:Class", imported lazily so CPU installs never import Triton.
+_BACKENDS: dict[str, str] = {
+    "torch": "sparsevllm.attention.torch_ref:TorchRefBackend",
+}
+
+
+def get_backend_class(name: str) -> type[AttentionBackend]:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(_BACKENDS)})")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,244 @@
+"""`sparsevllm` command line: generate, methods (serve and bench come with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from sparsevllm.config import FIELD_HELP, EngineConfig
+
+_SAMPLING_FLAGS: list[tuple[str, type, Any, str]] = [
+    ("max_tokens", int, 128, "Most tokens to generate per prompt."),
+    ("temperature", float, 0.0, "Sampling temperature; 0 is greedy."),
+    ("top_p", float, 1.0, "Nucleus sampling: keep the smallest set of tokens with this mass."),
+    ("top_k", int, 0, "Keep only the k most likely tokens (0: all)."),
+    ("min_p", float, 0.0, "Drop tokens less likely than min_p times the top token."),
+    ("repetition_penalty", float, 1.0, "Penalise tokens already in prompt or output (>1)."),
+    ("presence_penalty", float, 0.0, "OpenAI presence penalty over output tokens."),
+    ("frequency_penalty", float, 0.0, "OpenAI frequency penalty over output tokens."),
+    ("sampling_seed", int, None, "Per-request sampling seed (reproducible sampling)."),
+    ("logprobs", int, None, "Return the log-probabilities of the top-N tokens per step."),
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, same name in kebab-case."""
+    group = parser.add_argument_group("engine (EngineConfig fields)")
+    group.add_argument(
+        "--config", metavar="FILE", help="JSON file of engine settings; flags override it."
+    )
+    for f in dataclasses.fields(EngineConfig):
+        if f.name.startswith("_"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{FIELD_HELP[f.name]} (default: {f.default})"
+        type_name = str(f.type)  # a string under `from __future__ import annotations`
+        if "bool" in type_name:
+            group.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+            continue
+        kind = int if "int" in type_name else float if "float" in type_name else str
+        group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = EngineConfig.field_names()
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if getattr(args, "config", None):
+        return EngineConfig.from_json(args.config, **given)
+    return EngineConfig.from_dict(given)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="Generate text for prompts or chat messages.",
+        description="Generate from one or more prompts (or chat messages) and print the text, "
+        "throughput and KV usage. Example: sparsevllm generate --chat 'Hi!' --max-tokens 64",
+    )
+    src = p.add_argument_group("input")
+    src.add_argument("--prompt", action="append", default=[], help="A raw prompt (repeatable).")
+    src.add_argument(
+        "--chat",
+        action="append",
+        default=[],
+        help="A user message, sent through the chat template (repeatable: one conversation each).",
+    )
+    src.add_argument("--system", help="System message for --chat conversations.")
+    src.add_argument("--prompt-file", help="A file with one prompt per line.")
+    src.add_argument(
+        "--random-prompt-tokens",
+        type=int,
+        metavar="N",
+        help="Use random token-id prompts of N tokens (throughput tests).",
+    )
+    src.add_argument(
+        "--batch-size", type=int, default=1, help="Repeat each prompt this many times (default: 1)."
+    )
+    samp = p.add_argument_group("sampling")
+    for name, kind, default, help_text in _SAMPLING_FLAGS:
+        samp.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=default,
+            help=f"{help_text} (default: {default})",
+        )
+    samp.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
+    samp.add_argument("--ignore-eos", action="store_true", help="Keep generating after EOS.")
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--json",
+        action="store_true",
+        help="Print one JSON object (outputs, stats, throughput) instead of text.",
+    )
+    out.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
+    add_engine_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from sparsevllm.sampling import SamplingParams
+
+    values = {name: getattr(args, name) for name, *_ in _SAMPLING_FLAGS}
+    values["seed"] = values.pop("sampling_seed")
+    return SamplingParams(**values, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _collect_prompts(args: argparse.Namespace, llm: Any) -> list[Any]:
+    prompts: list[Any] = list(args.prompt)
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    for message in args.chat:
+        conv = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": message}
+        ]
+        prompts.append(llm.apply_chat_template(conv))
+    if args.random_prompt_tokens:
+        import random
+
+        rng = random.Random(0)
+        vocab = llm.engine.source.hf_config.vocab_size
+        prompts.append([rng.randrange(vocab) for _ in range(args.random_prompt_tokens)])
+    if not prompts:
+        raise SystemExit("error: give --prompt, --chat, --prompt-file or --random-prompt-tokens")
+    return [p for p in prompts for _ in range(args.batch_size)]
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from sparsevllm.llm import LLM
+
+    config = engine_config_from_args(args)
+    params = _sampling_params(args)
+    llm = LLM(config)
+    prompts = _collect_prompts(args, llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    elapsed = time.perf_counter() - start
+    stats = llm.stats()
+    n_out = sum(len(o.token_ids) for o in outputs)
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    ttft = [o.metrics["time_to_first_token"] for o in outputs]
+    decode_span = max(o.metrics["e2e_latency"] for o in outputs) - min(ttft)
+    summary = {
+        "num_requests": len(outputs),
+        "prompt_tokens": n_in,
+        "output_tokens": n_out,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": n_out / elapsed,
+        "decode_tokens_per_s": (n_out - len(outputs)) / decode_span if decode_span > 0 else None,
+        "mean_time_to_first_token_s": sum(ttft) / len(ttft),
+    }
+    if args.json:
+        report = {
+            "config": config.to_dict(),
+            "outputs": [
+                {
+                    "prompt": o.prompt,
+                    "text": o.text,
+                    "token_ids": o.token_ids,
+                    "prompt_tokens": len(o.prompt_token_ids),
+                    "finish_reason": o.finish_reason,
+                    "metrics": o.metrics,
+                }
+                for o in outputs
+            ],
+            "summary": summary,
+            "stats": stats,
+        }
+        json.dump(report, sys.stdout, indent=2)
+        print()
+        return 0
+    for i, o in enumerate(outputs):
+        print(
+            f"--- output {i} ({len(o.prompt_token_ids)} prompt tokens, {len(o.token_ids)} "
+            f"generated, finish: {o.finish_reason})"
+        )
+        print(o.text)
+    dec = summary["decode_tokens_per_s"]
+    print(
+        f"--- {n_out} tokens in {elapsed:.2f} s: {summary['output_tokens_per_s']:.1f} tok/s overall, "
+        f"{dec:.1f} tok/s decode, TTFT {summary['mean_time_to_first_token_s'] * 1000:.0f} ms; "
+        f"KV slots peak {stats['kv_slots_peak']} of {stats['kv_slots_total']} per layer"
+        if dec is not None
+        else f"--- {n_out} tokens in {elapsed:.2f} s"
+    )
+    return 0
+
+
+def _add_methods(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "methods",
+        help="List the sparse methods.",
+        description="List the registered KV sparsity methods.",
+    )
+    p.add_argument("--json", action="store_true", help="Print JSON.")
+    p.set_defaults(func=run_methods)
+
+
+def run_methods(args: argparse.Namespace) -> int:
+    from sparsevllm.sparse.registry import ALIASES, METHODS
+
+    if args.json:
+        print(json.dumps({"methods": METHODS, "aliases": ALIASES}, indent=2))
+        return 0
+    for name, desc in METHODS.items():
+        aliases = ", ".join(a for a, t in ALIASES.items() if t == name)
+        print(f"{name:14s} {desc}" + (f" (aliases: {aliases})" if aliases else ""))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparsevllm",
+        description="Sparse-vLLM: a sparse-first LLM inference engine.",
+    )
+    parser.add_argument("--log-level", default="WARNING", help="Logging level (default: WARNING).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_methods(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The engine: requests in, one step at a time: schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from sparsevllm.config import EngineConfig
+from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
+from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.runner import ModelRunner
+from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from sparsevllm.engine.sequence import Sequence
+from sparsevllm.models.loader import load_model_source
+from sparsevllm.outputs import RequestOutput
+from sparsevllm.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_MAX_DEFAULT_MODEL_LEN = 32768
+
+
+class LLMEngine:
+    """Owns the scheduler, the KV pool and the runner; `step()` advances every request."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.source = load_model_source(config.model, config.tokenizer, config.load_format)
+        self.tokenizer = self.source.tokenizer
+        self.eos_token_ids = self.source.eos_token_ids
+        self.max_model_len = self._resolve_max_model_len()
+        self.runner = ModelRunner(config, self.source, self.max_model_len)
+        num_layers = self.runner.num_layers
+        self.pool = KVPool(self.runner.num_slots, num_layers, [list(range(num_layers))])
+        self.scheduler = Scheduler(
+            self.pool,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.chunk_prefill_size,
+        )
+        self._seq_ids = itertools.count()
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._emitted: dict[int, int] = {}
+        self._by_request: dict[str, Sequence] = {}
+        self.num_generated_tokens = 0
+
+    def _resolve_max_model_len(self) -> int:
+        limit = getattr(self.source.hf_config, "max_position_embeddings", None)
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return min(limit or _MAX_DEFAULT_MODEL_LEN, _MAX_DEFAULT_MODEL_LEN)
+        if limit is not None and wanted > limit:
+            raise ValueError(
+                f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}"
+            )
+        return wanted
+
+    # -- requests -----------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token-id lists as prompts")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("a prompt must be a string or a list of token ids (ints)")
+        return None, list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if this request can never run; nothing is queued then."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, which does not leave room for output within "
+                f"max_model_len={self.max_model_len}"
+            )
+        vocab = self.source.hf_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        need = min(n + params.max_tokens, self.max_model_len)
+        if need > self.pool.num_slots:
+            raise ValueError(
+                f"request needs up to {need} KV slots per layer but the pool holds only "
+                f"{self.pool.num_slots}; raise num_kv_slots / kv_cache_memory_gb or lower max_tokens"
+            )
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        text, ids = self.encode(prompt)
+        self.validate(ids, params)
+        seq_id = next(self._seq_ids)
+        request_id = request_id or f"req-{seq_id}"
+        if request_id in self._by_request:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(seq_id, request_id, ids, params, frozenset(self.eos_token_ids), text)
+        self.runner.add_generator(seq_id, params.seed)
+        if self.tokenizer is not None:
+            self._detok[seq_id] = IncrementalDetokenizer(
+                self.tokenizer, ids, params.skip_special_tokens
+            )
+        self._emitted[seq_id] = 0
+        self._by_request[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self._by_request.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
+        """Next-token logits at every prompt position, `[len(prompt), vocab]`, float32.
+
+        Runs one full prefill through the same runner path as generation (useful for
+        perplexity and for checking a model against a reference implementation).
+        """
+        _, ids = self.encode(prompt)
+        self.validate(ids, SamplingParams(max_tokens=1))
+        seq = Sequence(next(self._seq_ids), "prompt-logits", ids, SamplingParams(max_tokens=1))
+        if not self.pool.can_append(len(ids)):
+            raise ValueError(f"not enough free KV slots for a {len(ids)}-token prompt now")
+        self.pool.append(seq.seq_id, len(ids))
+        try:
+            sched = SchedulerOutput(scheduled=[ScheduledSeq(seq, 0, len(ids))])
+            return self.runner.forward_logits(sched, self.pool)
+        finally:
+            self.pool.release(seq.seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that advanced or finished."""
+        sched = self.scheduler.schedule()
+        touched: list[Sequence] = list(sched.failed)
+        aborted = [s for s in self._by_request.values() if s.is_finished and s not in sched.failed]
+        touched.extend(aborted)
+        if not sched.is_empty:
+            now = time.perf_counter()
+            for s in sched.scheduled:
+                s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
+            result = self.runner.execute(sched, self.pool, self.eos_token_ids)
+            sampled = [s for s in sched.scheduled if s.samples]
+            for s in sched.scheduled:
+                s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            for i, s in enumerate(sampled):
+                self._append_token(s.seq, result.token_ids[i], result.logprobs[i])
+                touched.append(s.seq)
+        outputs = [self._make_output(seq) for seq in touched]
+        for seq in touched:
+            if seq.is_finished:
+                self._forget(seq)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: Any) -> None:
+        now = time.perf_counter()
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.output_token_ids.append(token)
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        self.num_generated_tokens += 1
+        detok = self._detok.get(seq.seq_id)
+        if detok is not None:
+            detok.add(token)
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            if detok is not None:
+                detok.flush()  # release text held back for an incomplete character
+            seq.metrics.finished_time = now
+            self.scheduler.finish(seq, reason)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            if token in (p.stop_token_ids or ()):
+                seq.stop_reason = token
+                return "stop"
+            if not p.ignore_eos and token in seq.eos_token_ids:
+                return "stop"
+            if p.stop and seq.seq_id in self._detok:
+                detok = self._detok[seq.seq_id]
+                _, matched = truncate_at_stop(
+                    detok.text, p.stop, p.include_stop_str_in_output, self._emitted[seq.seq_id]
+                )
+                if matched is not None:
+                    seq.stop_reason = matched
+                    return "stop"
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output_text(self, seq: Sequence) -> str:
+        detok = self._detok.get(seq.seq_id)
+        if detok is None:
+            return ""
+        text = detok.text
+        if seq.params.stop:
+            text, _ = truncate_at_stop(
+                text, seq.params.stop, seq.params.include_stop_str_in_output, 0
+            )
+        return text
+
+    def _make_output(self, seq: Sequence) -> RequestOutput:
+        text = self._output_text(seq)
+        prev = self._emitted.get(seq.seq_id, 0)
+        self._emitted[seq.seq_id] = len(text)
+        m = seq.metrics
+        decode_rate = None
+        if m.finished_time and m.first_token_time and len(seq.output_token_ids) > 1:
+            span = m.finished_time - m.first_token_time
+            decode_rate = (len(seq.output_token_ids) - 1) / span if span > 0 else None
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            error=seq.error,
+            metrics={
+                "time_to_first_token": m.time_to_first_token,
+                "decode_tokens_per_s": decode_rate,
+                "e2e_latency": (m.finished_time - m.arrival_time) if m.finished_time else None,
+                "num_preemptions": seq.num_preemptions,
+            },
+            text_delta=text[prev:],
+        )
+
+    def _forget(self, seq: Sequence) -> None:
+        self._by_request.pop(seq.request_id, None)
+        self._detok.pop(seq.seq_id, None)
+        self._emitted.pop(seq.seq_id, None)
+        self.runner.drop_generator(seq.seq_id)
+
+    # -- statistics ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        st = self.scheduler.stats
+        return {
+            "kv_slots_total": self.pool.num_slots,
+            "kv_slots_used": self.pool.num_used,
+            "kv_slots_peak": self.pool.peak_used,
+            "kv_slots_used_per_layer": self.pool.used_per_layer(),
+            "kv_bytes_per_slot": self.runner.kv_bytes_per_slot,
+            "num_preemptions": st.num_preemptions,
+            "num_prefill_tokens_computed": st.num_prefill_tokens_computed,
+            "num_decode_tokens_computed": st.num_decode_tokens_computed,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_cached_prompt_tokens": 0,
+            "max_concurrent_seqs": st.max_concurrent_seqs,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }

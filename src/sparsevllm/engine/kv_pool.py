@@ -1,0 +1,147 @@
+"""Token-granular KV slot pool (page size 1) and per-layer request->slot tables.
+
+The pool never touches tensors: it hands out integer slot ids, and the runner's
+per-layer K/V tensors `[num_slots, num_kv_heads, head_dim]` are indexed by them.
+
+Layers are organised in *groups*. All layers of a group share one allocator and one
+slot table per sequence, so a dense method (every layer keeps every token) pays for
+one table, while a method that keeps different tokens per layer uses one group per
+layer. Each layer still owns its own K/V tensor of `num_slots` rows, so the slot id
+`s` of a group addresses row `s` of each of its layers' tensors.
+"""
+
+from __future__ import annotations
+
+
+class PoolExhausted(RuntimeError):
+    """Raised when an allocation asks for more slots than are free."""
+
+
+class _GroupAllocator:
+    """A free list of slot ids for one layer group, with used/peak counters."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        # Popping from the end hands out low ids first, which keeps tests readable.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted(f"asked for {n} slots, {len(self._free)} free")
+        if n == 0:
+            return []
+        out = self._free[-n:]
+        del self._free[-n:]
+        out.reverse()
+        self.peak_used = max(self.peak_used, self.num_used)
+        return out
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(reversed(slots))
+
+
+class KVPool:
+    """Slot allocator plus, per sequence and layer group, the ordered slot table."""
+
+    def __init__(self, num_slots: int, num_layers: int, layer_groups: list[list[int]]) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
+        covered = sorted(layer for group in layer_groups for layer in group)
+        if covered != list(range(num_layers)):
+            raise ValueError(f"layer groups {layer_groups} must cover layers 0..{num_layers - 1}")
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.layer_groups = [list(g) for g in layer_groups]
+        self.group_of_layer = [0] * num_layers
+        for gi, group in enumerate(layer_groups):
+            for layer in group:
+                self.group_of_layer[layer] = gi
+        self._alloc = [_GroupAllocator(num_slots) for _ in layer_groups]
+        # seq_id -> per-group ordered slot list (the sequence's physical view).
+        self.tables: dict[int, list[list[int]]] = {}
+
+    # -- counters ---------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.layer_groups)
+
+    @property
+    def num_free(self) -> int:
+        """Free slots of the fullest group: what a new token can count on in every layer."""
+        return min(a.num_free for a in self._alloc)
+
+    @property
+    def num_used(self) -> int:
+        return max(a.num_used for a in self._alloc)
+
+    @property
+    def peak_used(self) -> int:
+        return max(a.peak_used for a in self._alloc)
+
+    def used_per_layer(self) -> list[int]:
+        return [
+            self._alloc[self.group_of_layer[layer]].num_used for layer in range(self.num_layers)
+        ]
+
+    def reset_peak(self) -> None:
+        for a in self._alloc:
+            a.peak_used = a.num_used
+
+    # -- per-sequence tables ----------------------------------------------------------
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self.tables
+
+    def table(self, seq_id: int, group: int = 0) -> list[int]:
+        return self.tables[seq_id][group]
+
+    def num_resident(self, seq_id: int, group: int = 0) -> int:
+        tables = self.tables.get(seq_id)
+        return len(tables[group]) if tables else 0
+
+    def can_append(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def append(self, seq_id: int, n: int) -> list[list[int]]:
+        """Give `seq_id` `n` new slots at the end of its view in every group.
+
+        Returns the new slots per group. Either all groups get their slots or none do.
+        """
+        if n > self.num_free:
+            raise PoolExhausted(f"sequence {seq_id} needs {n} slots, {self.num_free} free")
+        tables = self.tables.setdefault(seq_id, [[] for _ in self.layer_groups])
+        new = [a.allocate(n) for a in self._alloc]
+        for table, slots in zip(tables, new):
+            table.extend(slots)
+        return new
+
+    def release(self, seq_id: int) -> None:
+        """Free every slot of `seq_id` (finish, abort or preemption)."""
+        tables = self.tables.pop(seq_id, None)
+        if tables is None:
+            return
+        for alloc, table in zip(self._alloc, tables):
+            alloc.free(table)
+
+    def replace_view(self, seq_id: int, group: int, keep: list[int]) -> list[int]:
+        """Keep only the slots at positions `keep` (in that order) of a group's view.
+
+        The dropped slots return to the pool at once. Returns the dropped slot ids.
+        """
+        table = self.tables[seq_id][group]
+        kept = [table[i] for i in keep]
+        kept_set = set(kept)
+        if len(kept_set) != len(kept):
+            raise ValueError("replace_view: duplicate positions in keep")
+        dropped = [s for s in table if s not in kept_set]
+        self.tables[seq_id][group] = kept
+        self._alloc[group].free(dropped)
+        return dropped

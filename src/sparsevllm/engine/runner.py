@@ -1,0 +1,172 @@
+"""ModelRunner: owns every tensor (weights, KV pools, batch tensors) and sampling."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sparsevllm.attention.backend import ForwardBatch, get_backend_class
+from sparsevllm.config import EngineConfig
+from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.scheduler import SchedulerOutput
+from sparsevllm.layers.sampler import Sampler, SamplerOutput, make_generator
+from sparsevllm.models.llama import head_dim_of
+from sparsevllm.models.loader import ModelSource, build_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CPU_DEFAULT_KV_GB = 1.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        hf = source.hf_config
+        self.model = build_model(source, max_model_len, self.dtype, self.device, config.seed)
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        self.head_dim = head_dim_of(hf)
+        self.num_slots = self._decide_num_slots(max_model_len)
+        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        self.k_cache = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+        self.v_cache = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+        self.backend = get_backend_class("torch")(self.k_cache, self.v_cache)
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator | None] = {}
+        logger.info(
+            "KV pool: %d slots/layer x %d layers (%.2f GiB, %s on %s)",
+            self.num_slots,
+            self.num_layers,
+            self.kv_bytes_per_slot * self.num_slots / 2**30,
+            self.dtype,
+            self.device,
+        )
+
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        """Bytes of one token's K and V over all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def _decide_num_slots(self, max_model_len: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_slots is not None:
+            return cfg.num_kv_slots
+        if cfg.kv_cache_memory_gb is not None:
+            budget = cfg.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # Leave room for activations of the largest step (rough upper bound).
+            hf = self.model.config
+            act = cfg.max_num_batched_tokens * (4 * hf.hidden_size + 3 * hf.intermediate_size)
+            act = act * 4 + cfg.max_num_seqs * hf.vocab_size * 8
+            budget = total * cfg.gpu_memory_utilization - used - act
+        else:
+            # Enough for every sequence at full length, but never more than 1 GiB.
+            budget = min(
+                _CPU_DEFAULT_KV_GB * 2**30,
+                cfg.max_num_seqs * max_model_len * self.kv_bytes_per_slot,
+            )
+        slots = int(budget // self.kv_bytes_per_slot)
+        if slots < 1:
+            raise ValueError(
+                "no memory left for the KV pool; lower the model size or raise the budget"
+            )
+        return slots
+
+    # -- per-request state ------------------------------------------------------------
+    def add_generator(self, seq_id: int, seed: int | None) -> None:
+        self.generators[seq_id] = make_generator(seed, self.device)
+
+    def drop_generator(self, seq_id: int) -> None:
+        self.generators.pop(seq_id, None)
+
+    # -- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(
+        self, sched: SchedulerOutput, pool: KVPool, eos_token_ids: set[int]
+    ) -> SamplerOutput | None:
+        """Run the model over the scheduled tokens and sample for finished prefills/decodes."""
+        batch, input_ids = self._prepare(sched, pool)
+        hidden = self.model(input_ids, batch)  # [T, hidden]
+        sampled = [s for s in sched.scheduled if s.samples]
+        if not sampled:
+            return None
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
+        seqs = [s.seq for s in sampled]
+        return self.sampler(
+            logits,
+            [seq.params for seq in seqs],
+            [(seq.prompt_token_ids, seq.output_token_ids) for seq in seqs],
+            [self.generators.get(seq.seq_id) for seq in seqs],
+            eos_token_ids=eos_token_ids,
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, sched: SchedulerOutput, pool: KVPool) -> torch.Tensor:
+        """Logits at every scheduled position, `[T, vocab]` (teacher forcing, no sampling)."""
+        batch, input_ids = self._prepare(sched, pool)
+        return self.model.compute_logits(self.model(input_ids, batch)).float()
+
+    def _prepare(self, sched: SchedulerOutput, pool: KVPool) -> tuple[ForwardBatch, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        q_starts: list[int] = []
+        q_lens: list[int] = []
+        logits_rows: list[int] = []
+        slot_rows: list[list[int]] = [[] for _ in range(pool.num_groups)]
+        views: list[list[torch.Tensor]] = [[] for _ in range(pool.num_groups)]
+        for s in sched.scheduled:
+            n, seq = s.num_new_tokens, s.seq
+            q_starts.append(len(ids))
+            q_lens.append(n)
+            ids.extend(seq.token_slice(s.start, s.start + n))
+            positions.extend(range(s.start, s.start + n))
+            if s.samples:
+                logits_rows.append(len(ids) - 1)
+            for g in range(pool.num_groups):
+                table = pool.table(seq.seq_id, g)
+                slot_rows[g].extend(table[-n:])
+                views[g].append(self._to_device(table))
+        batch = ForwardBatch(
+            positions=self._to_device(positions),
+            q_starts=q_starts,
+            q_lens=q_lens,
+            slot_mapping=[self._to_device(rows) for rows in slot_rows],
+            views=views,
+            group_of_layer=pool.group_of_layer,
+            logits_indices=self._to_device(logits_rows),
+            backend=self.backend,
+        )
+        return batch, self._to_device(ids)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t

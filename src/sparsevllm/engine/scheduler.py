@@ -1,0 +1,169 @@
+"""Continuous batching with chunked prefill, slot-based admission and preemption.
+
+Pure Python: the scheduler works in token counts, slot counts and request states,
+and never sees a tensor. Each step it picks, for every sequence it runs, how many of
+its uncomputed tokens to process; prefill chunks and decode tokens share one batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first logical position computed this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """After this step every token of the sequence has KV, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    max_concurrent_seqs: int = 0
+    num_prefill_tokens_computed: int = 0
+    num_decode_tokens_computed: int = 0
+
+
+class Scheduler:
+    """FCFS continuous batching over a KVPool.
+
+    `slots_for_step(seq, n)` says how many new slots per layer a sequence needs to
+    compute `n` more tokens (a sparse method may evict afterwards; the allocation
+    happens first).
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunk_prefill_size: int,
+        slots_for_step: Callable[[Sequence, int], int] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_prefill_size = chunk_prefill_size
+        self.slots_for_step = slots_for_step or (lambda seq, n: n)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    # -- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in list(self.running) + list(self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished, take it out of the queues and free its slots."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release(seq.seq_id)
+
+    # -- the step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        self.stats.max_concurrent_seqs = max(self.stats.max_concurrent_seqs, len(self.running))
+        for s in out.scheduled:
+            decode = 1 if (s.samples and s.seq.output_token_ids) else 0
+            self.stats.num_prefill_tokens_computed += s.num_new_tokens - decode
+            self.stats.num_decode_tokens_computed += decode
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return min(seq.num_uncomputed_tokens, self.chunk_prefill_size, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            need = self.slots_for_step(seq, n)
+            while not self.pool.can_append(need) and self.running[-1] is not seq:
+                self._preempt(self.running[-1], out)
+            if not self.pool.can_append(need):
+                if i == 0:
+                    # Alone and still no room: it can never finish; fail it, not the engine.
+                    seq.error = (
+                        f"request {seq.request_id} needs {need} more KV slots but the pool has "
+                        f"only {self.pool.num_free} free of {self.pool.num_slots}; increase "
+                        "num_kv_slots / kv_cache_memory_gb or lower max_tokens"
+                    )
+                    out.failed.append(seq)
+                    self.finish(seq, "error")
+                else:
+                    self._preempt(seq, out)
+                continue
+            self.pool.append(seq.seq_id, need)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget)
+            need = self.slots_for_step(seq, n)
+            # Keep one slot per running sequence so the next decode step does not preempt.
+            if not self.pool.can_append(need + len(self.running)):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self.pool.append(seq.seq_id, need)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preempt by recompute: free every slot, and later prefill prompt + outputs again."""
+        self.running.remove(seq)
+        self.pool.release(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)

