@@ -36,8 +36,21 @@ def test_generate_json(tiny_llama, tmp_path):
     config = tmp_path / "engine.json"
     config.write_text(json.dumps({"max_num_seqs": 2, "chunk_prefill_size": 8}))
     out = cli(
-        "generate", "--model", tiny_llama, "--config", str(config), "--prompt", "w1 w2 w3",
-        "--chat", "w4 w5", "--batch-size", "2", "--max-tokens", "5", "--ignore-eos", "--json",
+        "generate",
+        "--model",
+        tiny_llama,
+        "--config",
+        str(config),
+        "--prompt",
+        "w1 w2 w3",
+        "--chat",
+        "w4 w5",
+        "--batch-size",
+        "2",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--json",
         "--no-progress",
     )
     assert out.returncode == 0, out.stderr

@@ -37,7 +37,11 @@ def test_default_model_greedy_equals_transformers(hf_model):
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     with torch.no_grad():
         ref = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=2
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
         )[0, len(prompt) :].tolist()
     assert ours.token_ids == ref
     assert "Paris" in ours.text
