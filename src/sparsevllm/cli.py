@@ -46,7 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
             continue
-        kind = int if "int" in type_name else float if "float" in type_name else str
+        if "tuple" in type_name:
+            kind = str  # comma-separated list, parsed by EngineConfig
+        else:
+            kind = int if "int" in type_name else float if "float" in type_name else str
         group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
 
 
@@ -206,14 +209,18 @@ def _add_methods(sub: argparse._SubParsersAction) -> None:
 
 
 def run_methods(args: argparse.Namespace) -> int:
-    from sparsevllm.sparse.registry import ALIASES, METHODS
+    from sparsevllm.sparse.registry import methods_table
 
+    rows = methods_table()
     if args.json:
-        print(json.dumps({"methods": METHODS, "aliases": ALIASES}, indent=2))
+        print(json.dumps(rows, indent=2))
         return 0
-    for name, desc in METHODS.items():
-        aliases = ", ".join(a for a, t in ALIASES.items() if t == name)
-        print(f"{name:14s} {desc}" + (f" (aliases: {aliases})" if aliases else ""))
+    print(f"{'method':13s} {'family':22s} {'prefill policy':25s} knobs (defaults)")
+    for r in rows:
+        knobs = ", ".join(f"{k}={v}" for k, v in r["knobs"].items()) or "-"
+        print(f"{r['name']:13s} {r['family']:22s} {r['prefill_policy']:25s} {knobs}")
+        aliases = f" (aliases: {', '.join(r['aliases'])})" if r["aliases"] else ""
+        print(f"{'':13s} {r['description']}{aliases}")
     return 0
 
 

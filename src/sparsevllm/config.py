@@ -39,6 +39,38 @@ FIELD_HELP: dict[str, str] = {
     "memory the engine may use (weights + activations + KV pool).",
     "enforce_eager": "Disable CUDA-graph capture of the decode step.",
     "sparse_method": "KV sparsity method (see `sparsevllm methods`).",
+    "prefill_policy": "all_chunked or long_bs1full_short_batch (default: the method's, from "
+    "the registry; a contradicting choice is an error).",
+    "long_prefill_offload_threshold": "long_bs1full_short_batch: prompts with more residual "
+    "tokens than this prefill alone, in one full step.",
+    "sink_keep_tokens": "Sparse methods: first tokens always kept (attention sinks).",
+    "recent_keep_tokens": "Sparse methods: most recent tokens always kept.",
+    "decode_keep_tokens": "Sparse methods: KV budget per layer (tokens kept or read), "
+    "sink and recent included.",
+    "snapkv_window_size": "SnapKV/PyramidKV: number of last prompt queries that score tokens.",
+    "snapkv_pool_kernel_size": "SnapKV/PyramidKV: max-pooling kernel over scores (1: none).",
+    "pyramidkv_beta": "PyramidKV: the top layer keeps decode_keep_tokens / beta of the mean "
+    "budget's share; budgets fall linearly from the bottom layer.",
+    "h2o_decode_budget": "H2O: tokens kept after each eviction burst (default: "
+    "decode_keep_tokens).",
+    "h2o_decode_eviction_interval": "H2O: evict once this many tokens above the budget.",
+    "full_attention_layers": "OmniKV: layers that attend fully and select tokens for the "
+    "layers after them (default: 0 and every quarter of the depth).",
+    "quest_chunk_size": "Quest: tokens per page scored by key min/max.",
+    "quest_skip_layers": "Quest: the first layers stay dense.",
+}
+
+# Knob fields and their validation bounds (inclusive minimum).
+_KNOB_MINIMUM = {
+    "sink_keep_tokens": 0,
+    "recent_keep_tokens": 0,
+    "decode_keep_tokens": 1,
+    "snapkv_window_size": 1,
+    "snapkv_pool_kernel_size": 1,
+    "h2o_decode_eviction_interval": 1,
+    "quest_chunk_size": 1,
+    "quest_skip_layers": 0,
+    "long_prefill_offload_threshold": 1,
 }
 
 
@@ -61,6 +93,19 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     sparse_method: str = "vanilla"
+    prefill_policy: str | None = None
+    long_prefill_offload_threshold: int = 65536
+    sink_keep_tokens: int = 4
+    recent_keep_tokens: int = 32
+    decode_keep_tokens: int = 2048
+    snapkv_window_size: int = 32
+    snapkv_pool_kernel_size: int = 7
+    pyramidkv_beta: float = 20.0
+    h2o_decode_budget: int | None = None
+    h2o_decode_eviction_interval: int = 16
+    full_attention_layers: tuple[int, ...] | None = None
+    quest_chunk_size: int = 16
+    quest_skip_layers: int = 2
     # Not a runtime knob: kept so reports can say where a config came from.
     _source: str | None = field(default=None, repr=False, compare=False)
 
@@ -95,9 +140,36 @@ class EngineConfig:
                 f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}): every running sequence needs a token per step"
             )
-        from sparsevllm.sparse.registry import canonical_method_name
+        self._validate_sparse()
+
+    def _validate_sparse(self) -> None:
+        from sparsevllm.sparse.registry import canonical_method_name, resolve_prefill_policy
 
         object.__setattr__(self, "sparse_method", canonical_method_name(self.sparse_method))
+        for name, low in _KNOB_MINIMUM.items():
+            value = getattr(self, name)
+            _check_type(name, value, int)
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if self.h2o_decode_budget is not None:
+            _check_positive_int("h2o_decode_budget", self.h2o_decode_budget)
+        _check_type("pyramidkv_beta", self.pyramidkv_beta, (int, float))
+        if self.pyramidkv_beta < 1:
+            raise ValueError(f"pyramidkv_beta must be >= 1, got {self.pyramidkv_beta}")
+        if self.sink_keep_tokens + self.recent_keep_tokens > self.decode_keep_tokens:
+            raise ValueError(
+                f"sink_keep_tokens + recent_keep_tokens ({self.sink_keep_tokens} + "
+                f"{self.recent_keep_tokens}) must not exceed decode_keep_tokens "
+                f"({self.decode_keep_tokens})"
+            )
+        if self.full_attention_layers is not None:
+            layers = self.full_attention_layers
+            if isinstance(layers, str):
+                layers = [int(x) for x in layers.replace(" ", "").split(",") if x]
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers):
+                raise ValueError(f"full_attention_layers must be layer indices, got {layers!r}")
+            object.__setattr__(self, "full_attention_layers", tuple(sorted(set(layers))))
+        resolve_prefill_policy(self.sparse_method, self.prefill_policy)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -124,6 +196,10 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         check_keys(changes, self.field_names(), what="config key")
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def knob_defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default for f in dataclasses.fields(cls) if not f.name.startswith("_")}
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.field_names()}

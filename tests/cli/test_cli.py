@@ -73,4 +73,10 @@ def test_bad_flag_value_is_a_clear_error(tiny_llama):
 def test_methods_json():
     out = cli("methods", "--json")
     assert out.returncode == 0
-    assert "vanilla" in json.loads(out.stdout)["methods"]
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    assert rows["snapkv"]["family"] == "physical_eviction"
+    assert rows["pyramidkv"]["prefill_policy"] == "long_bs1full_short_batch"
+    assert rows["streamingllm"]["aliases"] == ["attention-sink", "attention_sink", "streaming"]
+    assert rows["snapkv"]["knobs"]["snapkv_window_size"] == 32
+    text = cli("methods")
+    assert text.returncode == 0 and "quest" in text.stdout

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import abc
 import importlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,10 +32,33 @@ class ForwardBatch:
     group_of_layer: list[int]
     logits_indices: torch.Tensor  # [S] rows whose hidden state is turned into logits
     backend: AttentionBackend
+    # Sparse-method requests (see sparse/base.py). score_rows[i] > 0 asks for the summed
+    # attention probabilities of sequence i's last score_rows[i] queries, written to
+    # scores[layer][i] as [num_heads, L_i], at score_layers (None: every layer).
+    score_rows: list[int] = field(default_factory=list)
+    score_layers: frozenset[int] | None = None
+    scores: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    # select_view(layer, i, q_i [num_heads, head_dim], batch) -> context positions a
+    # decode query reads ([B] or [num_kv_heads, B]), or None for the whole view.
+    select_view: Callable[..., torch.Tensor | None] | None = None
+    # Read-only context for select_view: the methods' per-sequence step records
+    # (sparse.base.SeqStep) and the runner's KVAccess.
+    steps: list[Any] = field(default_factory=list)
+    kv: Any = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.q_lens)
+
+    def wants_scores(self, layer: int, i: int) -> int:
+        if not self.score_rows or not self.score_rows[i]:
+            return 0
+        if self.score_layers is not None and layer not in self.score_layers:
+            return 0
+        return self.score_rows[i]
+
+    def put_scores(self, layer: int, i: int, value: torch.Tensor) -> None:
+        self.scores.setdefault(layer, [None] * self.num_seqs)[i] = value
 
 
 class AttentionBackend(abc.ABC):

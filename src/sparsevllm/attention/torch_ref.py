@@ -31,10 +31,39 @@ class TorchRefBackend(AttentionBackend):
         out = torch.empty_like(q)
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
             view = batch.views[group][i]
-            out[start : start + n] = attend(
-                q[start : start + n], k_cache[view], v_cache[view], scale
-            )
+            q_i = q[start : start + n]
+            selected = None
+            if n == 1 and batch.select_view is not None:
+                selected = batch.select_view(layer, i, q_i[0], batch)
+            if selected is None:
+                k_i, v_i = k_cache[view], v_cache[view]
+            else:
+                k_i, v_i = gather_selected(k_cache, v_cache, view, selected)
+            out[start : start + n] = attend(q_i, k_i, v_i, scale)
+            rows = batch.wants_scores(layer, i)
+            if rows:
+                if selected is not None:
+                    raise RuntimeError("scores over a selected view are not supported")
+                batch.put_scores(layer, i, attention_mass(q_i[-rows:], k_i, scale))
         return out
+
+
+def gather_selected(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, view: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of the selected context positions plus the newest token (the view's last row).
+
+    positions: `[B]` (all heads) or `[num_kv_heads, B]` (per head). Returns `[B + 1, Hkv, D]`.
+    """
+    last = view[-1:]
+    if positions.dim() == 1:
+        rows = torch.cat([view[positions], last])
+        return k_cache[rows], v_cache[rows]
+    heads = torch.arange(positions.shape[0], device=positions.device)
+    slots = view[positions].t()  # [B, Hkv]
+    k_sel = k_cache[slots, heads]  # [B, Hkv, D]
+    v_sel = v_cache[slots, heads]
+    return torch.cat([k_sel, k_cache[last]]), torch.cat([v_sel, v_cache[last]])
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -45,8 +74,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     n, length = q.shape[0], k.shape[0]
     mask = None
     if n > 1:
-        rows = torch.arange(n, device=q.device).unsqueeze(1) + (length - n)
-        mask = torch.arange(length, device=q.device).unsqueeze(0) <= rows  # [n, L]
+        mask = causal_mask(n, length, q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.to(q.dtype).transpose(0, 1),
@@ -56,3 +84,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.transpose(0, 1)
+
+
+def causal_mask(n: int, length: int, device: torch.device) -> torch.Tensor:
+    """`[n, L]` True where query i (the view's entry L - n + i) may see key j."""
+    rows = torch.arange(n, device=device).unsqueeze(1) + (length - n)
+    return torch.arange(length, device=device).unsqueeze(0) <= rows
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of the view's last `r` queries, summed over them: `[Hq, L]`.
+
+    q: [r, Hq, D]; k: [L, Hkv, D]. Computed in float32.
+    """
+    r, hq, _ = q.shape
+    hkv = k.shape[1]
+    kk = k.float().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
+    logits = torch.einsum("rhd,lhd->hrl", q.float(), kk) * scale  # [Hq, r, L]
+    mask = causal_mask(r, k.shape[0], q.device)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=1)

@@ -18,6 +18,7 @@ from sparsevllm.engine.sequence import Sequence
 from sparsevllm.models.loader import load_model_source
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling import SamplingParams
+from sparsevllm.sparse.registry import resolve_prefill_policy
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +35,22 @@ class LLMEngine:
         self.eos_token_ids = self.source.eos_token_ids
         self.max_model_len = self._resolve_max_model_len()
         self.runner = ModelRunner(config, self.source, self.max_model_len)
-        num_layers = self.runner.num_layers
-        self.pool = KVPool(self.runner.num_slots, num_layers, [list(range(num_layers))])
+        self.method = self.runner.method
+        self.pool = KVPool(
+            self.runner.num_slots, self.runner.num_layers, self.method.layer_groups()
+        )
+        policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
+        self.prefill_policy = policy
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.chunk_prefill_size,
+            solo_prefill_threshold=(
+                config.long_prefill_offload_threshold
+                if policy == "long_bs1full_short_batch"
+                else None
+            ),
         )
         self._seq_ids = itertools.count()
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -85,7 +95,8 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        need = min(n + params.max_tokens, self.max_model_len)
+        max_tokens = min(params.max_tokens, self.max_model_len - n)
+        need = self.method.max_resident(n, max_tokens)
         if need > self.pool.num_slots:
             raise ValueError(
                 f"request needs up to {need} KV slots per layer but the pool holds only "
@@ -148,6 +159,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that advanced or finished."""
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.runner.release(seq.seq_id, keep_generator=True)  # recompute from scratch
         touched: list[Sequence] = list(sched.failed)
         aborted = [s for s in self._by_request.values() if s.is_finished and s not in sched.failed]
         touched.extend(aborted)
@@ -252,7 +265,7 @@ class LLMEngine:
         self._by_request.pop(seq.request_id, None)
         self._detok.pop(seq.seq_id, None)
         self._emitted.pop(seq.seq_id, None)
-        self.runner.drop_generator(seq.seq_id)
+        self.runner.release(seq.seq_id)
 
     # -- statistics ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -8,11 +8,14 @@ import torch
 
 from sparsevllm.attention.backend import ForwardBatch, get_backend_class
 from sparsevllm.config import EngineConfig
+from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.scheduler import SchedulerOutput
 from sparsevllm.layers.sampler import Sampler, SamplerOutput, make_generator
 from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model
+from sparsevllm.sparse.base import SeqStep
+from sparsevllm.sparse.registry import create_method
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
         self.backend = get_backend_class("torch")(self.k_cache, self.v_cache)
+        self.method = create_method(config, self.num_layers, self.num_kv_heads)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator | None] = {}
         logger.info(
@@ -103,8 +107,11 @@ class ModelRunner:
     def add_generator(self, seq_id: int, seed: int | None) -> None:
         self.generators[seq_id] = make_generator(seed, self.device)
 
-    def drop_generator(self, seq_id: int) -> None:
-        self.generators.pop(seq_id, None)
+    def release(self, seq_id: int, keep_generator: bool = False) -> None:
+        """Forget a sequence's method state (and its generator unless it will resume)."""
+        self.method.release(seq_id)
+        if not keep_generator:
+            self.generators.pop(seq_id, None)
 
     # -- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -112,8 +119,9 @@ class ModelRunner:
         self, sched: SchedulerOutput, pool: KVPool, eos_token_ids: set[int]
     ) -> SamplerOutput | None:
         """Run the model over the scheduled tokens and sample for finished prefills/decodes."""
-        batch, input_ids = self._prepare(sched, pool)
+        batch, input_ids, steps = self._prepare(sched, pool)
         hidden = self.model(input_ids, batch)  # [T, hidden]
+        self.method.after_step(steps, batch.scores, batch.kv)
         sampled = [s for s in sched.scheduled if s.samples]
         if not sampled:
             return None
@@ -130,10 +138,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput, pool: KVPool) -> torch.Tensor:
         """Logits at every scheduled position, `[T, vocab]` (teacher forcing, no sampling)."""
-        batch, input_ids = self._prepare(sched, pool)
+        batch, input_ids, _ = self._prepare(sched, pool)
         return self.model.compute_logits(self.model(input_ids, batch)).float()
 
-    def _prepare(self, sched: SchedulerOutput, pool: KVPool) -> tuple[ForwardBatch, torch.Tensor]:
+    def _prepare(
+        self, sched: SchedulerOutput, pool: KVPool
+    ) -> tuple[ForwardBatch, torch.Tensor, list[SeqStep]]:
         ids: list[int] = []
         positions: list[int] = []
         q_starts: list[int] = []
@@ -141,7 +151,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         slot_rows: list[list[int]] = [[] for _ in range(pool.num_groups)]
         views: list[list[torch.Tensor]] = [[] for _ in range(pool.num_groups)]
-        for s in sched.scheduled:
+        steps: list[SeqStep] = []
+        for row, s in enumerate(sched.scheduled):
             n, seq = s.num_new_tokens, s.seq
             q_starts.append(len(ids))
             q_lens.append(n)
@@ -149,6 +160,7 @@ class ModelRunner:
             positions.extend(range(s.start, s.start + n))
             if s.samples:
                 logits_rows.append(len(ids) - 1)
+            steps.append(SeqStep(seq.seq_id, row, s.start, n, seq.num_prompt_tokens))
             for g in range(pool.num_groups):
                 table = pool.table(seq.seq_id, g)
                 slot_rows[g].extend(table[-n:])
@@ -162,8 +174,13 @@ class ModelRunner:
             group_of_layer=pool.group_of_layer,
             logits_indices=self._to_device(logits_rows),
             backend=self.backend,
+            score_rows=[self.method.score_rows(st) for st in steps],
+            score_layers=self.method.score_layers,
+            select_view=self.method.select_view,
+            steps=steps,
+            kv=RunnerKV(pool, self.k_cache, self.v_cache),
         )
-        return batch, self._to_device(ids)
+        return batch, self._to_device(ids), steps
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)

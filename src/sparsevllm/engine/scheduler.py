@@ -65,12 +65,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         chunk_prefill_size: int,
         slots_for_step: Callable[[Sequence, int], int] | None = None,
+        solo_prefill_threshold: int | None = None,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_prefill_size = chunk_prefill_size
         self.slots_for_step = slots_for_step or (lambda seq, n: n)
+        # Prefill policy long_bs1full_short_batch: a request with more residual tokens
+        # than this prefills alone, in one full step (None: every prefill is chunked).
+        self.solo_prefill_threshold = solo_prefill_threshold
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -102,15 +106,37 @@ class Scheduler:
     # -- the step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        if not self._schedule_solo(out):
+            budget = self._schedule_running(out, self.max_num_batched_tokens)
+            if not out.preempted:
+                self._admit_waiting(out, budget)
         self.stats.max_concurrent_seqs = max(self.stats.max_concurrent_seqs, len(self.running))
         for s in out.scheduled:
             decode = 1 if (s.samples and s.seq.output_token_ids) else 0
             self.stats.num_prefill_tokens_computed += s.num_new_tokens - decode
             self.stats.num_decode_tokens_computed += decode
         return out
+
+    def _is_long(self, seq: Sequence) -> bool:
+        limit = self.solo_prefill_threshold
+        return limit is not None and seq.num_uncomputed_tokens > limit
+
+    def _schedule_solo(self, out: SchedulerOutput) -> bool:
+        """Run a long waiting prefill alone and in full, once its slots are free."""
+        if not self.waiting or not self._is_long(self.waiting[0]):
+            return False
+        seq = self.waiting[0]
+        need = self.slots_for_step(seq, seq.num_uncomputed_tokens)
+        if len(self.running) >= self.max_num_seqs or not self.pool.can_append(
+            need + len(self.running)
+        ):
+            return False  # the running batch goes on until there is room
+        self.waiting.popleft()
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self.pool.append(seq.seq_id, need)
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, seq.num_uncomputed_tokens))
+        return True
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         return min(seq.num_uncomputed_tokens, self.chunk_prefill_size, budget)
@@ -145,6 +171,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._is_long(seq):
+                break  # it runs alone in a later step
             n = self._chunk(seq, budget)
             need = self.slots_for_step(seq, n)
             # Keep one slot per running sequence so the next decode step does not preempt.

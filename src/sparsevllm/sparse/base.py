@@ -1,0 +1,203 @@
+"""The SparseMethod contract: the only interface a KV sparsity method implements.
+
+The host (runner, scheduler) asks a method what it needs and never which method it is:
+
+- `layer_groups`: which layers share one slot table (dense storage: one group;
+  per-layer or per-head eviction: one group per layer).
+- `max_resident`: worst-case resident slots per layer of a request, for admission.
+- `score_rows`: how many of a sequence's newest query rows should report their
+  attention probabilities this step (observation windows, H2O, TOVA, OmniKV).
+- `select_view`: a per-step logical subset of the view a decode query reads (OmniKV,
+  Quest); storage is untouched.
+- `after_step`: look at the step's scores and keys, and physically evict through
+  `KVAccess` (the freed slots return to the pool at once).
+- `release`: forget a sequence's state (finished, aborted or preempted).
+
+A score-based eviction method subclasses `ScoreEviction` and writes one `score(...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from sparsevllm.attention.backend import ForwardBatch
+    from sparsevllm.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """What a method sees of one scheduled sequence in one step."""
+
+    seq_id: int
+    row: int  # index of the sequence in the batch
+    start: int  # first logical position computed in this step
+    num_new: int
+    prompt_len: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new
+
+    @property
+    def is_decode(self) -> bool:
+        """A generation step: the only new token is a generated one."""
+        return self.start >= self.prompt_len
+
+    @property
+    def finishes_prompt(self) -> bool:
+        return self.start < self.prompt_len <= self.end
+
+
+class KVAccess(Protocol):
+    """The runner's KV operations offered to methods (views are in slot-table order)."""
+
+    num_layers: int
+    num_kv_heads: int
+
+    def resident(self, seq_id: int, layer: int) -> int: ...
+
+    def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """K of view positions [start, end) at `layer`: `[n, num_kv_heads, head_dim]`."""
+        ...
+
+    def keep(self, seq_id: int, group: int, positions: list[int]) -> None:
+        """Keep only these view positions (every head, every layer of the group)."""
+        ...
+
+    def keep_per_head(self, seq_id: int, layer: int, positions: torch.Tensor) -> None:
+        """Per-KV-head selection `[num_kv_heads, B]` (positions ascending per head).
+
+        Compacts: row j of the new view holds head h's j-th selected token for every h.
+        Only for methods with one group per layer.
+        """
+        ...
+
+
+class SparseMethod:
+    """Base class: dense behaviour; override only the hooks a method needs."""
+
+    name: ClassVar[str] = ""
+    per_layer_groups: ClassVar[bool] = False
+    score_layers: frozenset[int] | None = None  # None: every layer reports scores
+
+    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int) -> None:
+        self.config = config
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+
+    # -- declarations the host asks about ---------------------------------------------
+    def layer_groups(self) -> list[list[int]]:
+        if self.per_layer_groups:
+            return [[layer] for layer in range(self.num_layers)]
+        return [list(range(self.num_layers))]
+
+    def max_resident(self, prompt_len: int, max_tokens: int) -> int:
+        """Worst-case resident slots per layer over the request's life."""
+        return prompt_len + max_tokens
+
+    def knobs(self) -> dict[str, Any]:
+        """The method's knob values, for reports."""
+        from sparsevllm.sparse.registry import method_knobs
+
+        return {k: getattr(self.config, k) for k in method_knobs(self.name)}
+
+    # -- forward hooks ----------------------------------------------------------------
+    def score_rows(self, step: SeqStep) -> int:
+        return 0
+
+    def select_view(
+        self, layer: int, row: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor | None:
+        """Positions of the context (view minus the new token) a decode query reads:
+        `[B]` for every head or `[num_kv_heads, B]` per head; None reads everything."""
+        return None
+
+    # -- after the forward ------------------------------------------------------------
+    def after_step(
+        self,
+        steps: list[SeqStep],
+        scores: dict[int, list[torch.Tensor | None]],
+        kv: KVAccess,
+    ) -> None:
+        """`scores[layer][row]` is `[num_heads, L]`: the summed attention probabilities
+        of the requested query rows over the view (None where not requested)."""
+
+    def release(self, seq_id: int) -> None:
+        """Drop per-sequence state."""
+
+
+def gqa_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """`[num_heads, L]` -> `[num_kv_heads, L]`: mean over each KV head's query heads."""
+    h, length = scores.shape
+    return scores.view(num_kv_heads, h // num_kv_heads, length).mean(dim=1)
+
+
+def select_keep(scores: torch.Tensor, budget: int, sink: int, recent: int) -> torch.Tensor:
+    """Per-head keep set: sink + recent always, then the top-scoring middle tokens.
+
+    scores: `[H, L]` (higher is kept). Returns `[H, min(budget, L)]` ascending positions.
+    """
+    h, length = scores.shape
+    if budget >= length:
+        return torch.arange(length, device=scores.device).expand(h, length)
+    sink = min(sink, budget)
+    recent = min(recent, budget - sink)
+    middle = budget - sink - recent
+    parts = [torch.arange(sink, device=scores.device).expand(h, sink)]
+    if middle > 0:
+        mid_scores = scores[:, sink : length - recent]
+        top = mid_scores.topk(middle, dim=-1).indices + sink
+        parts.append(top)
+    parts.append(torch.arange(length - recent, length, device=scores.device).expand(h, recent))
+    return torch.cat(parts, dim=-1).sort(dim=-1).values
+
+
+class ScoreEviction(SparseMethod):
+    """Score every resident token per KV head and keep a budget (sink + top + recent).
+
+    Subclasses implement `score` and may change when compression happens
+    (`should_compress`) and the per-layer budget (`layer_budget`).
+    """
+
+    per_layer_groups = True
+
+    def layer_budget(self, layer: int) -> int:
+        return self.config.decode_keep_tokens
+
+    def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
+        return step.finishes_prompt and resident > self.layer_budget(layer)
+
+    def max_resident(self, prompt_len: int, max_tokens: int) -> int:
+        # The whole prompt is resident until prefill ends; then budget + generated tokens.
+        budget = max(self.layer_budget(layer) for layer in range(self.num_layers))
+        return max(prompt_len, min(prompt_len, budget) + max_tokens)
+
+    def score(
+        self, layer: int, step: SeqStep, keys: torch.Tensor, attn: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`[num_kv_heads, L]` importance of each resident token (higher is kept)."""
+        raise NotImplementedError
+
+    def after_step(self, steps, scores, kv):  # noqa: D102 (documented on the base)
+        for step in steps:
+            for layer in range(self.num_layers):
+                resident = kv.resident(step.seq_id, layer)
+                if not self.should_compress(step, resident, layer):
+                    continue
+                attn = scores.get(layer, [None] * (step.row + 1))[step.row]
+                s = self.score(layer, step, kv.keys(step.seq_id, layer), attn)
+                keep = select_keep(
+                    s,
+                    self.layer_budget(layer),
+                    self.config.sink_keep_tokens,
+                    self.config.recent_keep_tokens,
+                )
+                kv.keep_per_head(step.seq_id, layer, keep)
+                self.on_compressed(step.seq_id, layer, keep)
+
+    def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
+        """Hook for methods with per-token state that must follow the compaction."""

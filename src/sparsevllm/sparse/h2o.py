@@ -1,0 +1,61 @@
+"""H2O (Zhang et al., 2023): heavy hitters by cumulative attention + recent tokens.
+
+Every query (prompt and generated) adds its attention probabilities to the resident
+tokens' cumulative scores, per layer and KV head. When a sequence holds more than
+`h2o_decode_budget + h2o_decode_eviction_interval` tokens in a layer (and at the end
+of the prompt, when it holds more than the budget), the layer is cut back to the
+budget: sink + recent + the highest cumulative scores, per KV head. The scores follow
+the compaction, so the state stays aligned with the resident rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsevllm.sparse.base import ScoreEviction, SeqStep, gqa_mean
+from sparsevllm.sparse.snapkv import _add_padded
+
+
+class H2O(ScoreEviction):
+    name = "h2o"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        c = self.config
+        self.budget = c.h2o_decode_budget or c.decode_keep_tokens
+        self.interval = c.h2o_decode_eviction_interval
+        self._acc: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [Hkv, L]
+
+    def layer_budget(self, layer: int) -> int:
+        return self.budget
+
+    def max_resident(self, prompt_len: int, max_tokens: int) -> int:
+        bound = self.budget + self.interval + self.config.chunk_prefill_size
+        return min(prompt_len + max_tokens, bound)
+
+    def score_rows(self, step: SeqStep) -> int:
+        return step.num_new
+
+    def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
+        if resident > self.budget + self.interval:
+            return True
+        return step.finishes_prompt and resident > self.budget
+
+    def after_step(self, steps, scores, kv):
+        for step in steps:
+            acc = self._acc.setdefault(step.seq_id, {})
+            for layer, rows in scores.items():
+                if rows[step.row] is not None:
+                    votes = gqa_mean(rows[step.row].float(), self.num_kv_heads)
+                    acc[layer] = _add_padded(acc.get(layer), votes)
+        super().after_step(steps, scores, kv)
+
+    def score(self, layer, step, keys, attn):
+        return self._acc[step.seq_id][layer]
+
+    def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
+        acc = self._acc[seq_id]
+        acc[layer] = acc[layer].gather(1, keep.to(acc[layer].device))
+
+    def release(self, seq_id: int) -> None:
+        self._acc.pop(seq_id, None)

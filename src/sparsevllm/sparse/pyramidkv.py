@@ -1,0 +1,38 @@
+"""PyramidKV (Cai et al., 2024): SnapKV scoring with a budget pyramid over layers.
+
+Lower layers attend broadly and keep more tokens, upper layers keep fewer. Layer
+budgets fall linearly from the bottom layer to the top one, whose share is the mean
+budget (`decode_keep_tokens`) divided by `pyramidkv_beta`; the total equals
+`decode_keep_tokens` x layers. No layer keeps fewer than sink + recent + 1 tokens.
+"""
+
+from __future__ import annotations
+
+from sparsevllm.sparse.snapkv import SnapKV
+
+
+class PyramidKV(SnapKV):
+    name = "pyramidkv"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        c = self.config
+        self.budgets = pyramid_budgets(
+            c.decode_keep_tokens,
+            self.num_layers,
+            c.pyramidkv_beta,
+            c.sink_keep_tokens + c.recent_keep_tokens + 1,
+        )
+
+    def layer_budget(self, layer: int) -> int:
+        return self.budgets[layer]
+
+
+def pyramid_budgets(mean: int, num_layers: int, beta: float, floor: int) -> list[int]:
+    """Linearly decreasing budgets (layer 0 largest) that sum to about mean x layers."""
+    if num_layers == 1:
+        return [max(mean, floor)]
+    top = mean / beta
+    bottom = 2 * mean - top
+    step = (bottom - top) / (num_layers - 1)
+    return [max(floor, round(bottom - step * layer)) for layer in range(num_layers)]

@@ -1,0 +1,36 @@
+"""StreamingLLM (Xiao et al., 2023): attention sinks + a sliding window of recent tokens.
+
+Every layer keeps the same tokens, so one slot table serves all layers. Eviction runs
+after every step, during prefill chunks and decode alike, so a sequence never holds
+more than sink + recent + (tokens of one step) slots.
+"""
+
+from __future__ import annotations
+
+from sparsevllm.sparse.base import KVAccess, SeqStep, SparseMethod
+
+
+class StreamingLLM(SparseMethod):
+    name = "streamingllm"
+
+    @property
+    def budget(self) -> int:
+        return self.config.sink_keep_tokens + self.config.recent_keep_tokens
+
+    def max_resident(self, prompt_len: int, max_tokens: int) -> int:
+        step = max(self.config.chunk_prefill_size, 1)
+        return min(prompt_len + max_tokens, self.budget + step)
+
+    def after_step(self, steps: list[SeqStep], scores, kv: KVAccess) -> None:
+        sink, recent = self.config.sink_keep_tokens, self.config.recent_keep_tokens
+        for step in steps:
+            length = kv.resident(step.seq_id, 0)
+            if length > sink + recent:
+                kv.keep(step.seq_id, 0, streaming_keep(length, sink, recent))
+
+
+def streaming_keep(length: int, sink: int, recent: int) -> list[int]:
+    """View positions StreamingLLM keeps out of `length`: the first `sink`, the last `recent`."""
+    if length <= sink + recent:
+        return list(range(length))
+    return list(range(sink)) + list(range(length - recent, length))

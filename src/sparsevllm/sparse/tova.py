@@ -1,0 +1,37 @@
+"""TOVA (Oren et al., 2024): token omission via attention.
+
+Whenever a layer holds more than `decode_keep_tokens` tokens, it keeps those the
+current query (the step's last token) attends to most, averaged over all heads; the
+same tokens for every head of the layer. Decode steps evict one token at a time;
+a prefill chunk is cut back with its last query's attention.
+"""
+
+from __future__ import annotations
+
+from sparsevllm.sparse.base import SeqStep, SparseMethod
+
+
+class TOVA(SparseMethod):
+    name = "tova"
+    per_layer_groups = True
+
+    def max_resident(self, prompt_len: int, max_tokens: int) -> int:
+        bound = self.config.decode_keep_tokens + self.config.chunk_prefill_size
+        return min(prompt_len + max_tokens, bound)
+
+    def score_rows(self, step: SeqStep) -> int:
+        return 1
+
+    def after_step(self, steps, scores, kv):
+        budget = self.config.decode_keep_tokens
+        for step in steps:
+            for layer, rows in scores.items():
+                attn = rows[step.row]  # [num_heads, L]
+                if attn is None or attn.shape[-1] <= budget:
+                    continue
+                kv.keep(step.seq_id, layer, tova_keep(attn, budget))
+
+
+def tova_keep(attn, budget: int) -> list[int]:
+    """Positions of the `budget` tokens with the highest head-averaged attention."""
+    return sorted(attn.float().mean(dim=0).topk(budget).indices.tolist())
