@@ -16,7 +16,7 @@ TINY = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=512,
+    max_position_embeddings=2048,
     initializer_range=0.1,  # spread logits so greedy choices are not near-ties
     bos_token_id=1,
     eos_token_id=2,
@@ -33,8 +33,11 @@ def _make(kind: str, path: Path) -> str:
         Qwen3ForCausalLM,
     )
 
-    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[kind])
-    if kind == "llama":
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2, "llama4": 3}[kind])
+    if kind == "llama4":  # four layers: room for sparse layouts across depth
+        cfg = LlamaConfig(**{**TINY, "num_hidden_layers": 4}, tie_word_embeddings=True)
+        model = LlamaForCausalLM(cfg)
+    elif kind == "llama":
         rope = {
             "rope_type": "llama3",
             "rope_theta": 500000.0,

@@ -45,6 +45,8 @@ class ForwardBatch:
     # (sparse.base.SeqStep) and the runner's KVAccess.
     steps: list[Any] = field(default_factory=list)
     kv: Any = None
+    # Scratch space for a method's per-step results (lives exactly as long as the step).
+    method_cache: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -28,7 +28,6 @@ class OmniKV(SparseMethod):
             )
         self.full_layers = tuple(layers)
         self.score_layers = frozenset(layers)
-        self._picked: dict[tuple[int, int, int], torch.Tensor | None] = {}
 
     def score_rows(self, step: SeqStep) -> int:
         return 1 if step.is_decode else 0
@@ -37,13 +36,11 @@ class OmniKV(SparseMethod):
         if layer in self.score_layers or not batch.score_rows[row]:
             return None
         source = max(f for f in self.full_layers if f < layer)
-        key = (id(batch), source, row)
-        if key not in self._picked:
-            if len(self._picked) > 4 * batch.num_seqs * len(self.full_layers):
-                self._picked.clear()  # entries of earlier steps
+        picked = batch.method_cache  # per step: the picks of a full layer serve its followers
+        if (source, row) not in picked:
             attn = batch.scores[source][row]  # [num_heads, L]; the last column is the query
-            self._picked[key] = omnikv_pick(attn, self.config.decode_keep_tokens)
-        return self._picked[key]
+            picked[(source, row)] = omnikv_pick(attn, self.config.decode_keep_tokens)
+        return picked[(source, row)]
 
 
 def omnikv_pick(attn: torch.Tensor, budget: int) -> torch.Tensor | None:

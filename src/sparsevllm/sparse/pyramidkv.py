@@ -3,7 +3,8 @@
 Lower layers attend broadly and keep more tokens, upper layers keep fewer. Layer
 budgets fall linearly from the bottom layer to the top one, whose share is the mean
 budget (`decode_keep_tokens`) divided by `pyramidkv_beta`; the total equals
-`decode_keep_tokens` x layers. No layer keeps fewer than sink + recent + 1 tokens.
+about `decode_keep_tokens` x layers (more where the floor applies: no layer keeps
+fewer than sink + recent + 1 tokens).
 """
 
 from __future__ import annotations
