@@ -27,11 +27,17 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] logical positions (RoPE)
     q_starts: list[int]
     q_lens: list[int]
-    slot_mapping: list[torch.Tensor]  # per layer group: [T] slot of every new token
-    views: list[list[torch.Tensor]]  # per layer group, per sequence: [L_i] slot ids
+    slot_mapping: torch.Tensor  # [G, T] slot of every new token, per layer group
+    tables: torch.Tensor  # [G, num_rows, max_len] int32 device-resident slot tables
+    rows: list[int]  # table row of each sequence
+    view_lens: list[list[int]]  # [G][S] view length of each sequence after this step
     group_of_layer: list[int]
     logits_indices: torch.Tensor  # [S] rows whose hidden state is turned into logits
     backend: AttentionBackend
+    # Device copies of the per-sequence metadata, for kernels.
+    rows_t: torch.Tensor | None = None  # [S] int32
+    view_lens_t: torch.Tensor | None = None  # [G, S] int32
+    q_starts_t: torch.Tensor | None = None  # [S + 1] int32
     # Sparse-method requests (see sparse/base.py). score_rows[i] > 0 asks for the summed
     # attention probabilities of sequence i's last score_rows[i] queries, written to
     # scores[layer][i] as [num_heads, L_i], at score_layers (None: every layer).
@@ -51,6 +57,10 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.q_lens)
+
+    def view(self, group: int, i: int) -> torch.Tensor:
+        """Slot ids of sequence i's view in a layer group: `[L_i]` int64."""
+        return self.tables[group, self.rows[i], : self.view_lens[group][i]].long()
 
     def wants_scores(self, layer: int, i: int) -> int:
         if not self.score_rows or not self.score_rows[i]:

@@ -30,7 +30,7 @@ class TorchRefBackend(AttentionBackend):
         v_cache[slots] = v.to(v_cache.dtype)
         out = torch.empty_like(q)
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
-            view = batch.views[group][i]
+            view = batch.view(group, i)
             q_i = q[start : start + n]
             selected = None
             if n == 1 and batch.select_view is not None:

@@ -39,6 +39,9 @@ class LLMEngine:
         self.pool = KVPool(
             self.runner.num_slots, self.runner.num_layers, self.method.layer_groups()
         )
+        # Rows for every running sequence, plus room for rows not yet returned by
+        # requests that ended mid-step and for prompt_logits().
+        self.runner.bind_pool(self.pool, 2 * config.max_num_seqs + 1, self.max_model_len)
         policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
         self.prefill_policy = policy
         self.scheduler = Scheduler(
@@ -132,6 +135,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.finish(seq, "abort")
+        self.runner.release(seq.seq_id, keep_generator=True)  # its table row, at once
         return True
 
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
@@ -151,6 +155,7 @@ class LLMEngine:
             return self.runner.forward_logits(sched, self.pool)
         finally:
             self.pool.release(seq.seq_id)
+            self.runner.release(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -5,15 +5,21 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.slot_tables import DeviceSlotTables
 
 
 class RunnerKV:
     """Reads keys through slot tables and applies evictions (freeing slots at once)."""
 
     def __init__(
-        self, pool: KVPool, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]
+        self,
+        pool: KVPool,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        tables: DeviceSlotTables | None = None,
     ) -> None:
         self.pool = pool
+        self.tables = tables
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.num_layers = len(k_cache)
@@ -32,6 +38,8 @@ class RunnerKV:
 
     def keep(self, seq_id: int, group: int, positions: list[int]) -> None:
         self.pool.replace_view(seq_id, group, positions)
+        if self.tables is not None:
+            self.tables.rewrite(seq_id, group)
 
     def keep_per_head(self, seq_id: int, layer: int, positions: torch.Tensor) -> None:
         group = self.pool.group_of_layer[layer]
@@ -50,4 +58,4 @@ class RunnerKV:
         dst = table[: positions.shape[1]]
         self.k_cache[layer][dst] = k_new
         self.v_cache[layer][dst] = v_new
-        self.pool.replace_view(seq_id, group, list(range(positions.shape[1])))
+        self.keep(seq_id, group, list(range(positions.shape[1])))

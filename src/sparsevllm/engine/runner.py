@@ -11,6 +11,7 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.scheduler import SchedulerOutput
+from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.layers.sampler import Sampler, SamplerOutput, make_generator
 from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model
@@ -108,8 +109,10 @@ class ModelRunner:
         self.generators[seq_id] = make_generator(seed, self.device)
 
     def release(self, seq_id: int, keep_generator: bool = False) -> None:
-        """Forget a sequence's method state (and its generator unless it will resume)."""
+        """Forget a sequence's method state and table row (and its generator unless it
+        will resume after a preemption)."""
         self.method.release(seq_id)
+        self.tables.release(seq_id)
         if not keep_generator:
             self.generators.pop(seq_id, None)
 
@@ -141,46 +144,64 @@ class ModelRunner:
         batch, input_ids, _ = self._prepare(sched, pool)
         return self.model.compute_logits(self.model(input_ids, batch)).float()
 
+    def bind_pool(self, pool: KVPool, num_rows: int, max_len: int) -> None:
+        """Attach the engine's KV pool and create its device-resident slot tables."""
+        self.pool = pool
+        self.tables = DeviceSlotTables(pool, num_rows, max_len, self.device)
+        self.kv = RunnerKV(pool, self.k_cache, self.v_cache, self.tables)
+
     def _prepare(
         self, sched: SchedulerOutput, pool: KVPool
     ) -> tuple[ForwardBatch, torch.Tensor, list[SeqStep]]:
         ids: list[int] = []
         positions: list[int] = []
-        q_starts: list[int] = []
-        q_lens: list[int] = []
+        q_starts: list[int] = [0]
         logits_rows: list[int] = []
         slot_rows: list[list[int]] = [[] for _ in range(pool.num_groups)]
-        views: list[list[torch.Tensor]] = [[] for _ in range(pool.num_groups)]
+        view_lens: list[list[int]] = [[] for _ in range(pool.num_groups)]
         steps: list[SeqStep] = []
-        for row, s in enumerate(sched.scheduled):
+        seq_ids = [s.seq.seq_id for s in sched.scheduled]
+        self.tables.sync(seq_ids)
+        rows = [self.tables.row(i) for i in seq_ids]
+        for i, s in enumerate(sched.scheduled):
             n, seq = s.num_new_tokens, s.seq
-            q_starts.append(len(ids))
-            q_lens.append(n)
             ids.extend(seq.token_slice(s.start, s.start + n))
             positions.extend(range(s.start, s.start + n))
+            q_starts.append(len(ids))
             if s.samples:
                 logits_rows.append(len(ids) - 1)
-            steps.append(SeqStep(seq.seq_id, row, s.start, n, seq.num_prompt_tokens))
+            steps.append(SeqStep(seq.seq_id, i, s.start, n, seq.num_prompt_tokens))
             for g in range(pool.num_groups):
                 table = pool.table(seq.seq_id, g)
                 slot_rows[g].extend(table[-n:])
-                views[g].append(self._to_device(table))
+                view_lens[g].append(len(table))
+        # One host-to-device copy for all per-step integers, split on the device.
+        parts = [ids, positions, logits_rows, rows, q_starts, *slot_rows, *view_lens]
+        packed = self._to_device([v for part in parts for v in part])
+        pieces = list(torch.split(packed, [len(p) for p in parts]))
+        t_ids, t_pos, t_logits, t_rows, t_qs = pieces[:5]
+        num_groups = pool.num_groups
         batch = ForwardBatch(
-            positions=self._to_device(positions),
-            q_starts=q_starts,
-            q_lens=q_lens,
-            slot_mapping=[self._to_device(rows) for rows in slot_rows],
-            views=views,
+            positions=t_pos,
+            q_starts=q_starts[:-1],
+            q_lens=[s.num_new_tokens for s in sched.scheduled],
+            slot_mapping=torch.stack(pieces[5 : 5 + num_groups]),
+            tables=self.tables.table,
+            rows=rows,
+            view_lens=view_lens,
             group_of_layer=pool.group_of_layer,
-            logits_indices=self._to_device(logits_rows),
+            logits_indices=t_logits,
             backend=self.backend,
+            rows_t=t_rows.int(),
+            view_lens_t=torch.stack(pieces[5 + num_groups :]).int(),
+            q_starts_t=t_qs.int(),
             score_rows=[self.method.score_rows(st) for st in steps],
             score_layers=self.method.score_layers,
             select_view=self.method.select_view,
             steps=steps,
-            kv=RunnerKV(pool, self.k_cache, self.v_cache),
+            kv=self.kv,
         )
-        return batch, self._to_device(ids), steps
+        return batch, t_ids, steps
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)
