@@ -58,6 +58,14 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return len(self.q_lens)
 
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence has exactly one new query (the decode kernel's case)."""
+        return all(n == 1 for n in self.q_lens)
+
+    def max_view_len(self, group: int) -> int:
+        return max(self.view_lens[group])
+
     def view(self, group: int, i: int) -> torch.Tensor:
         """Slot ids of sequence i's view in a layer group: `[L_i]` int64."""
         return self.tables[group, self.rows[i], : self.view_lens[group][i]].long()
@@ -99,7 +107,13 @@ class AttentionBackend(abc.ABC):
 # name -> "module:Class", imported lazily so CPU installs never import Triton.
 _BACKENDS: dict[str, str] = {
     "torch": "sparsevllm.attention.torch_ref:TorchRefBackend",
+    "triton": "sparsevllm.attention.triton_backend:TritonBackend",
 }
+
+
+def default_backend_name(device: torch.device) -> str:
+    """Triton kernels on CUDA, the reference implementation elsewhere."""
+    return "triton" if device.type == "cuda" else "torch"
 
 
 def get_backend_class(name: str) -> type[AttentionBackend]:

@@ -6,8 +6,9 @@ import logging
 
 import torch
 
-from sparsevllm.attention.backend import ForwardBatch, get_backend_class
+from sparsevllm.attention.backend import ForwardBatch, default_backend_name, get_backend_class
 from sparsevllm.config import EngineConfig
+from sparsevllm.engine.cuda_graph import DecodeGraphs
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.scheduler import SchedulerOutput
@@ -58,7 +59,9 @@ class ModelRunner:
         self.v_cache = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
-        self.backend = get_backend_class("torch")(self.k_cache, self.v_cache)
+        self.backend = get_backend_class(default_backend_name(self.device))(
+            self.k_cache, self.v_cache
+        )
         self.method = create_method(config, self.num_layers, self.num_kv_heads)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator | None] = {}
@@ -123,12 +126,15 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """Run the model over the scheduled tokens and sample for finished prefills/decodes."""
         batch, input_ids, steps = self._prepare(sched, pool)
-        hidden = self.model(input_ids, batch)  # [T, hidden]
+        if self._use_graph(batch):
+            logits = self.graphs.run(batch, input_ids)[batch.logits_indices]  # [S, vocab]
+        else:
+            hidden = self.model(input_ids, batch)  # [T, hidden]
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
         self.method.after_step(steps, batch.scores, batch.kv)
         sampled = [s for s in sched.scheduled if s.samples]
         if not sampled:
             return None
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
         seqs = [s.seq for s in sampled]
         return self.sampler(
             logits,
@@ -144,11 +150,25 @@ class ModelRunner:
         batch, input_ids, _ = self._prepare(sched, pool)
         return self.model.compute_logits(self.model(input_ids, batch)).float()
 
+    def _use_graph(self, batch: ForwardBatch) -> bool:
+        """Replay a captured graph when nothing in the step needs the host mid-forward."""
+        return (
+            self.graphs is not None
+            and batch.decode_only
+            and self.graphs.fits(batch.num_seqs)
+            and not any(batch.score_rows)
+            and not self.method.uses_decode_view
+        )
+
     def bind_pool(self, pool: KVPool, num_rows: int, max_len: int) -> None:
         """Attach the engine's KV pool and create its device-resident slot tables."""
         self.pool = pool
         self.tables = DeviceSlotTables(pool, num_rows, max_len, self.device)
         self.kv = RunnerKV(pool, self.k_cache, self.v_cache, self.tables)
+        self.graphs = None
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.graphs = DecodeGraphs(self, min(self.config.max_num_seqs, 512))
+            self.graphs.capture()
 
     def _prepare(
         self, sched: SchedulerOutput, pool: KVPool

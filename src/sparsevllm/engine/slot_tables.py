@@ -34,6 +34,10 @@ class DeviceSlotTables:
             self._synced[seq_id] = [0] * self.pool.num_groups
         return self.row_of[seq_id]
 
+    def reserve_row(self, row: int) -> None:
+        """Take a row out of circulation (the CUDA-graph padding row)."""
+        self._free_rows.remove(row)
+
     def sync(self, seq_ids: list[int]) -> None:
         """Upload the entries the pool appended since the last sync, in one scatter."""
         flat_index: list[int] = []

@@ -82,6 +82,9 @@ class SparseMethod:
 
     name: ClassVar[str] = ""
     per_layer_groups: ClassVar[bool] = False
+    # True when select_view may narrow what a decode query reads (the host then runs
+    # the decode step eagerly, outside a CUDA graph).
+    uses_decode_view: ClassVar[bool] = False
     score_layers: frozenset[int] | None = None  # None: every layer reports scores
 
     def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int) -> None:

@@ -15,6 +15,7 @@ from sparsevllm.sparse.base import SeqStep, SparseMethod
 
 class OmniKV(SparseMethod):
     name = "omnikv"
+    uses_decode_view = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -17,6 +17,7 @@ from sparsevllm.sparse.base import SparseMethod
 
 class Quest(SparseMethod):
     name = "quest"
+    uses_decode_view = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -1,0 +1,112 @@
+"""CUDA attention backend: Triton kernels that read K/V through the slot tables.
+
+Pure decode batches use the split-K decode kernel (capturable in a CUDA graph);
+batches with prefill chunks use the varlen prefill kernel. Sparse-method requests
+are served here too: decode scores come from the decode kernel's probability output,
+logical views become a per-KV-head index subset; prefill observation scores (once
+per prefill) use the reference computation on the gathered view.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
+from sparsevllm.attention.torch_ref import attention_mass
+from sparsevllm.attention.triton import decode_attention, prefill_attention, store_kv
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        group = batch.group_of_layer[layer]
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping[group])
+        out = torch.empty_like(q)
+        table = batch.tables[group]
+        lens = batch.view_lens_t[group]
+        if batch.decode_only:
+            subset, subset_lens = self._subsets(layer, q, batch)
+            want = [batch.wants_scores(layer, i) for i in range(batch.num_seqs)]
+            scores = None
+            if any(want):
+                scores = torch.zeros(
+                    (q.shape[0], q.shape[1], batch.max_view_len(group)),
+                    dtype=torch.float32,
+                    device=q.device,
+                )
+            decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                table,
+                batch.rows_t,
+                lens,
+                scale,
+                out,
+                subset=subset,
+                subset_lens=subset_lens,
+                scores_out=scores,
+            )
+            if scores is not None:
+                for i, w in enumerate(want):
+                    if w:
+                        batch.put_scores(layer, i, scores[i, :, : batch.view_lens[group][i]])
+            return out
+        prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            batch.rows_t,
+            batch.q_starts_t,
+            lens,
+            scale,
+            out,
+            max_q_len=max(batch.q_lens),
+        )
+        for i in range(batch.num_seqs):
+            rows = batch.wants_scores(layer, i)
+            if rows:
+                start, n = batch.q_starts[i], batch.q_lens[i]
+                view = batch.view(group, i)
+                q_i = q[start : start + n][-rows:]
+                batch.put_scores(layer, i, attention_mass(q_i, k_cache[view], scale))
+        return out
+
+    @staticmethod
+    def _subsets(
+        layer: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Ask the method for each sequence's logical view; pack as `[S, Hkv, B]`."""
+        if batch.select_view is None:
+            return None, None
+        picks = [batch.select_view(layer, i, q[i], batch) for i in range(batch.num_seqs)]
+        if all(p is None for p in picks):
+            return None, None
+        hkv = batch.kv.num_kv_heads
+        group = batch.group_of_layer[layer]
+        width = max(
+            (p.shape[-1] if p is not None else batch.view_lens[group][i] - 1)
+            for i, p in enumerate(picks)
+        )
+        subset = torch.zeros((len(picks), hkv, max(width, 1)), dtype=torch.int32, device=q.device)
+        lens = []
+        for i, p in enumerate(picks):
+            if p is None:  # read everything: positions 0 .. L-2 (the last is always read)
+                n = batch.view_lens[group][i] - 1
+                subset[i, :, :n] = torch.arange(n, device=q.device, dtype=torch.int32)
+            else:
+                n = p.shape[-1]
+                subset[i, :, :n] = p.to(torch.int32).expand(hkv, n)
+            lens.append(n)
+        return subset, torch.tensor(lens, dtype=torch.int32, device=q.device)

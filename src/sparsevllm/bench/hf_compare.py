@@ -1,0 +1,58 @@
+"""`--compare hf`: Hugging Face `generate` on the same weights, batch and lengths."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+import torch
+
+
+def _timed(fn: Any, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def hf_generate_throughput(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    """Greedy `generate` with a static cache; decode rate = (total - prefill) time."""
+    from transformers import AutoModelForCausalLM
+
+    llm = args._llm
+    runner = llm.engine.runner
+    ours = runner.model
+    hf = AutoModelForCausalLM.from_config(ours.config, dtype=runner.dtype).to(runner.device).eval()
+    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"weights do not map onto transformers: {missing} {unexpected}")
+    hf.tie_weights()
+    batch, plen, olen = report["batch_size"], report["prompt_len"], report["output_len"]
+    vocab = ours.config.vocab_size
+    rng = random.Random(args.seed)
+    ids = torch.tensor(
+        [[rng.randrange(vocab) for _ in range(plen)] for _ in range(batch)], device=runner.device
+    )
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation="static")
+
+    def gen(n: int) -> None:
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **common)
+
+    gen(2)  # warm up kernels and the static cache
+    prefill = _timed(lambda: gen(1), runner.device)
+    total = _timed(lambda: gen(olen), runner.device)
+    decode = max(total - prefill, 1e-9)
+    return {
+        "impl": "transformers.generate(static cache)",
+        "prefill_s": prefill,
+        "total_s": total,
+        "end_to_end_tokens_per_s": batch * olen / total,
+        "decode_tokens_per_s": batch * (olen - 1) / decode,
+        "time_per_output_token_s": decode / (olen - 1),
+    }

@@ -1,0 +1,85 @@
+"""Named real-model shapes for dummy-weight benchmarks (no checkpoint download needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+_LLAMA3_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+_QWEN3_8B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+_QWEN25_7B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama3-8b": _LLAMA3_8B,
+    "qwen3-8b": _QWEN3_8B,
+    "qwen2.5-7b": _QWEN25_7B,
+}
+
+
+def write_model_config(name: str, directory: str | None = None) -> str:
+    """Write the named config as `config.json` in a directory; return the directory."""
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model config {name!r} (available: {', '.join(MODEL_CONFIGS)})")
+    directory = directory or tempfile.mkdtemp(prefix=f"sparsevllm-{name}-")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(MODEL_CONFIGS[name], f, indent=2)
+    return directory

@@ -1,0 +1,105 @@
+"""CUDA-graph capture of the decode step (model forward + logits) for batch buckets.
+
+A decode step of a large model is hundreds of small kernel launches; replaying a
+captured graph removes their launch gaps. Graphs are captured once per bucket size
+over static input buffers; a step of S sequences replays the smallest bucket >= S
+with the tail padded by dummy rows (no KV store: slot -1; a one-token view of slot 0).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sparsevllm.attention.backend import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int) -> None:  # runner: ModelRunner
+        self.runner = runner
+        self.buckets = bucket_sizes(max_batch)
+        dev = runner.device
+        groups = runner.pool.num_groups
+        b = self.buckets[-1]
+        self.ids = torch.zeros(b, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(b, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((groups, b), -1, dtype=torch.long, device=dev)
+        self.rows = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.view_lens = torch.ones((groups, b), dtype=torch.int32, device=dev)
+        # The last table row is the padding row: its first entry points at slot 0.
+        self.pad_row = runner.tables.table.shape[1] - 1
+        runner.tables.reserve_row(self.pad_row)
+        runner.tables.table[:, self.pad_row, 0] = 0
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mem_pool = None
+
+    def _static_batch(self, size: int) -> ForwardBatch:
+        r = self.runner
+        groups = r.pool.num_groups
+        return ForwardBatch(
+            positions=self.positions[:size],
+            q_starts=list(range(size)),
+            q_lens=[1] * size,
+            slot_mapping=self.slot_mapping[:, :size],
+            tables=r.tables.table,
+            rows=[self.pad_row] * size,
+            view_lens=[[1] * size for _ in range(groups)],
+            group_of_layer=r.pool.group_of_layer,
+            logits_indices=torch.arange(size, device=r.device),
+            backend=r.backend,
+            rows_t=self.rows[:size],
+            view_lens_t=self.view_lens[:, :size],
+            q_starts_t=torch.arange(size + 1, dtype=torch.int32, device=r.device),
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        model = self.runner.model
+        self.rows.fill_(self.pad_row)
+        for size in reversed(self.buckets):  # largest first: smaller ones reuse its pool
+            batch = self._static_batch(size)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile Triton kernels outside the capture
+                    model.compute_logits(model(self.ids[:size], batch))
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mem_pool):
+                logits = model.compute_logits(model(self.ids[:size], batch))
+            self.mem_pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.buckets[-1]
+
+    def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay for a pure-decode batch; returns logits `[S, vocab]`."""
+        s = batch.num_seqs
+        size = next(b for b in self.buckets if b >= s)
+        self.ids[:s].copy_(input_ids)
+        self.positions[:s].copy_(batch.positions)
+        self.slot_mapping[:, :s].copy_(batch.slot_mapping)
+        self.rows[:s].copy_(batch.rows_t)
+        self.view_lens[:, :s].copy_(batch.view_lens_t)
+        if size > s:
+            self.ids[s:size].zero_()
+            self.positions[s:size].zero_()
+            self.slot_mapping[:, s:size].fill_(-1)
+            self.rows[s:size].fill_(self.pad_row)
+            self.view_lens[:, s:size].fill_(1)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:s]
