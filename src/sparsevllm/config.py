@@ -43,6 +43,8 @@ FIELD_HELP: dict[str, str] = {
     "the registry; a contradicting choice is an error).",
     "long_prefill_offload_threshold": "long_bs1full_short_batch: prompts with more residual "
     "tokens than this prefill alone, in one full step.",
+    "enable_prefix_caching": "Reuse the KV of cached token prefixes across requests (radix "
+    "tree; default: on for methods whose storage stays a plain prefix).",
     "sink_keep_tokens": "Sparse methods: first tokens always kept (attention sinks).",
     "recent_keep_tokens": "Sparse methods: most recent tokens always kept.",
     "decode_keep_tokens": "Sparse methods: KV budget per layer (tokens kept or read), "
@@ -95,6 +97,7 @@ class EngineConfig:
     sparse_method: str = "vanilla"
     prefill_policy: str | None = None
     long_prefill_offload_threshold: int = 65536
+    enable_prefix_caching: bool | None = None
     sink_keep_tokens: int = 4
     recent_keep_tokens: int = 32
     decode_keep_tokens: int = 2048
@@ -170,6 +173,20 @@ class EngineConfig:
                 raise ValueError(f"full_attention_layers must be layer indices, got {layers!r}")
             object.__setattr__(self, "full_attention_layers", tuple(sorted(set(layers))))
         resolve_prefill_policy(self.sparse_method, self.prefill_policy)
+        self._validate_prefix_caching()
+
+    def _validate_prefix_caching(self) -> None:
+        from sparsevllm.sparse.registry import method_spec
+
+        spec = method_spec(self.sparse_method)
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", spec.prefix_cache)
+        _check_type("enable_prefix_caching", self.enable_prefix_caching, bool)
+        if self.enable_prefix_caching and not spec.prefix_cache:
+            raise ValueError(
+                f"enable_prefix_caching needs storage that stays a plain prefix; "
+                f"{self.sparse_method} ({spec.family}) evicts KV"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:

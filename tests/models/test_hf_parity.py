@@ -76,4 +76,4 @@ def test_scheduling_variants_keep_outputs(tiny_model_factory, hf_reference, kind
         assert stats["kv_slots_peak"] <= engine_kwargs["num_kv_slots"]
     if "max_num_seqs" in engine_kwargs:
         assert stats["max_concurrent_seqs"] == 2
-    assert stats["kv_slots_used"] == 0  # everything freed at the end
+    assert stats["kv_slots_used"] == stats["kv_slots_cached"]  # no request holds slots

@@ -51,7 +51,7 @@ def test_chunked_prefill_and_preemption_with_large_budget(model, vanilla_tokens,
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == vanilla_tokens
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["kv_slots_used"] == 0
+    assert stats["num_preemptions"] > 0 and stats["kv_slots_used"] == stats["kv_slots_cached"]
 
 
 @pytest.mark.parametrize("method", SPARSE)
@@ -71,7 +71,8 @@ def test_small_budget_with_chunks_mixed_lengths_and_preemption(model, method):
         PROMPTS * 2, SamplingParams(max_tokens=40, ignore_eos=True, seed=0), use_tqdm=False
     )
     assert [len(o.token_ids) for o in outs] == [40] * 8
-    assert llm.stats()["kv_slots_used"] == 0  # every slot came back
+    stats = llm.stats()
+    assert stats["kv_slots_used"] == stats["kv_slots_cached"]  # every slot came back
 
 
 def resident_after_each_step(llm: LLM, prompt: list[int], max_tokens: int) -> list[list[int]]:

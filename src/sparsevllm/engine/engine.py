@@ -12,6 +12,7 @@ import torch
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.runner import ModelRunner
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from sparsevllm.engine.sequence import Sequence
@@ -44,6 +45,8 @@ class LLMEngine:
         self.runner.bind_pool(self.pool, 2 * config.max_num_seqs + 1, self.max_model_len)
         policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
         self.prefill_policy = policy
+        self.prefix_cache = RadixCache() if config.enable_prefix_caching else None
+        self.pool.cache = self.prefix_cache
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,
@@ -54,6 +57,7 @@ class LLMEngine:
                 if policy == "long_bs1full_short_batch"
                 else None
             ),
+            prefix_cache=self.prefix_cache,
         )
         self._seq_ids = itertools.count()
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -285,7 +289,8 @@ class LLMEngine:
             "num_prefill_tokens_computed": st.num_prefill_tokens_computed,
             "num_decode_tokens_computed": st.num_decode_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,
-            "num_cached_prompt_tokens": 0,
+            "num_cached_prompt_tokens": st.num_cached_prompt_tokens,
+            "kv_slots_cached": self.prefix_cache.num_cached_slots if self.prefix_cache else 0,
             "max_concurrent_seqs": st.max_concurrent_seqs,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -68,6 +68,10 @@ class KVPool:
         self._alloc = [_GroupAllocator(num_slots) for _ in layer_groups]
         # seq_id -> per-group ordered slot list (the sequence's physical view).
         self.tables: dict[int, list[list[int]]] = {}
+        # Prefix caching (one group only): leading slots a sequence borrows from the
+        # cache, and the cache itself, which gives unlocked slots back under pressure.
+        self._borrowed: dict[int, int] = {}
+        self.cache = None  # a RadixCache (duck-typed: num_evictable_slots, evict(n))
 
     # -- counters ---------------------------------------------------------------------
     @property
@@ -107,14 +111,21 @@ class KVPool:
         tables = self.tables.get(seq_id)
         return len(tables[group]) if tables else 0
 
+    @property
+    def num_available(self) -> int:
+        """Free slots plus cached slots that could be evicted for new work."""
+        return self.num_free + (self.cache.num_evictable_slots if self.cache else 0)
+
     def can_append(self, n: int) -> bool:
-        return n <= self.num_free
+        return n <= self.num_available
 
     def append(self, seq_id: int, n: int) -> list[list[int]]:
         """Give `seq_id` `n` new slots at the end of its view in every group.
 
         Returns the new slots per group. Either all groups get their slots or none do.
         """
+        if n > self.num_free and self.cache is not None:
+            self._alloc[0].free(self.cache.evict(n - self.num_free))
         if n > self.num_free:
             raise PoolExhausted(f"sequence {seq_id} needs {n} slots, {self.num_free} free")
         tables = self.tables.setdefault(seq_id, [[] for _ in self.layer_groups])
@@ -124,12 +135,29 @@ class KVPool:
         return new
 
     def release(self, seq_id: int) -> None:
-        """Free every slot of `seq_id` (finish, abort or preemption)."""
+        """Free every slot `seq_id` owns (finish, abort or preemption); borrowed
+        prefix slots stay with the cache."""
         tables = self.tables.pop(seq_id, None)
+        borrowed = self._borrowed.pop(seq_id, 0)
         if tables is None:
             return
         for alloc, table in zip(self._alloc, tables):
-            alloc.free(table)
+            alloc.free(table[borrowed:])
+
+    def attach(self, seq_id: int, slots: list[int]) -> None:
+        """Start `seq_id`'s view with slots borrowed from the prefix cache."""
+        if self.num_groups != 1:
+            raise RuntimeError("prefix sharing needs a single layer group")
+        self.tables[seq_id] = [list(slots)]
+        self._borrowed[seq_id] = len(slots)
+
+    def detach(self, seq_id: int) -> list[int]:
+        """Take `seq_id`'s view out of the pool without freeing it (the cache adopts it)."""
+        self._borrowed.pop(seq_id, None)
+        return self.tables.pop(seq_id)[0]
+
+    def free_slots(self, slots: list[int]) -> None:
+        self._alloc[0].free(slots)
 
     def replace_view(self, seq_id: int, group: int, keep: list[int]) -> list[int]:
         """Keep only the slots at positions `keep` (in that order) of a group's view.

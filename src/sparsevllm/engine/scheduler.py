@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.sequence import SeqStatus, Sequence
 
 
@@ -48,6 +49,7 @@ class SchedulerStats:
     max_concurrent_seqs: int = 0
     num_prefill_tokens_computed: int = 0
     num_decode_tokens_computed: int = 0
+    num_cached_prompt_tokens: int = 0
 
 
 class Scheduler:
@@ -66,6 +68,7 @@ class Scheduler:
         chunk_prefill_size: int,
         slots_for_step: Callable[[Sequence, int], int] | None = None,
         solo_prefill_threshold: int | None = None,
+        prefix_cache: RadixCache | None = None,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -75,6 +78,8 @@ class Scheduler:
         # Prefill policy long_bs1full_short_batch: a request with more residual tokens
         # than this prefills alone, in one full step (None: every prefill is chunked).
         self.solo_prefill_threshold = solo_prefill_threshold
+        self.prefix_cache = prefix_cache
+        self._cache_nodes: dict[int, object] = {}  # seq_id -> deepest locked cache node
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -101,7 +106,43 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.prefix_cache is not None and reason in ("stop", "length"):
+            self._cache_finished(seq)
+        else:
+            self._release(seq)
+
+    # -- prefix cache -------------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.seq_id)
+        node = self._cache_nodes.pop(seq.seq_id, None)
+        if node is not None:
+            self.prefix_cache.unlock(node)
+
+    def _cache_finished(self, seq: Sequence) -> None:
+        """Hand the finished sequence's computed KV to the cache instead of freeing it."""
+        if not self.pool.has(seq.seq_id):
+            return self._release(seq)
+        slots = self.pool.detach(seq.seq_id)
+        n = seq.num_computed_tokens
+        duplicates = self.prefix_cache.insert(seq.token_slice(0, n), slots[:n])
+        self.pool.free_slots(duplicates + slots[n:])
+        node = self._cache_nodes.pop(seq.seq_id, None)
+        if node is not None:
+            self.prefix_cache.unlock(node)
+
+    def _borrow_prefix(self, seq: Sequence) -> int:
+        """Start a fresh sequence from its longest cached prefix; returns its length."""
+        if self.prefix_cache is None or self.pool.has(seq.seq_id):
+            return 0
+        # At least one token must be computed: its logits give the next token.
+        slots, node = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1))
+        if not slots:
+            return 0
+        self.prefix_cache.lock(node)
+        self._cache_nodes[seq.seq_id] = node
+        self.pool.attach(seq.seq_id, slots)
+        seq.num_computed_tokens = len(slots)
+        return len(slots)
 
     # -- the step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -173,11 +214,18 @@ class Scheduler:
             seq = self.waiting[0]
             if self._is_long(seq):
                 break  # it runs alone in a later step
+            cached = self._borrow_prefix(seq)
             n = self._chunk(seq, budget)
             need = self.slots_for_step(seq, n)
             # Keep one slot per running sequence so the next decode step does not preempt.
             if not self.pool.can_append(need + len(self.running)):
+                if cached:
+                    self._release(seq)
+                    seq.num_computed_tokens = 0
                 break
+            if cached and seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
+                self.stats.num_cached_prompt_tokens += cached
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -188,7 +236,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt by recompute: free every slot, and later prefill prompt + outputs again."""
         self.running.remove(seq)
-        self.pool.release(seq.seq_id)
+        self._release(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
