@@ -43,8 +43,10 @@ FIELD_HELP: dict[str, str] = {
     "the registry; a contradicting choice is an error).",
     "long_prefill_offload_threshold": "long_bs1full_short_batch: prompts with more residual "
     "tokens than this prefill alone, in one full step.",
-    "enable_prefix_caching": "Reuse the KV of cached token prefixes across requests (radix "
-    "tree; default: on for methods whose storage stays a plain prefix).",
+    "enable_prefix_caching": "Keep state across requests: a radix prefix cache or, for "
+    "eviction methods, the chain cache (default: on).",
+    "prefix_cache_mode": "auto (by the registry), radix (dense/logical methods) or chain "
+    "(eviction methods continue a conversation from their resident state).",
     "sink_keep_tokens": "Sparse methods: first tokens always kept (attention sinks).",
     "recent_keep_tokens": "Sparse methods: most recent tokens always kept.",
     "decode_keep_tokens": "Sparse methods: KV budget per layer (tokens kept or read), "
@@ -98,6 +100,7 @@ class EngineConfig:
     prefill_policy: str | None = None
     long_prefill_offload_threshold: int = 65536
     enable_prefix_caching: bool | None = None
+    prefix_cache_mode: str = "auto"
     sink_keep_tokens: int = 4
     recent_keep_tokens: int = 32
     decode_keep_tokens: int = 2048
@@ -180,13 +183,23 @@ class EngineConfig:
 
         spec = method_spec(self.sparse_method)
         if self.enable_prefix_caching is None:
-            object.__setattr__(self, "enable_prefix_caching", spec.prefix_cache)
+            object.__setattr__(self, "enable_prefix_caching", True)
         _check_type("enable_prefix_caching", self.enable_prefix_caching, bool)
-        if self.enable_prefix_caching and not spec.prefix_cache:
+        _check_choice("prefix_cache_mode", self.prefix_cache_mode, ("auto", "radix", "chain"))
+        mode = self.prefix_cache_mode
+        if mode == "auto":
+            mode = "radix" if spec.prefix_cache else "chain"
+        elif mode == "radix" and not spec.prefix_cache:
             raise ValueError(
-                f"enable_prefix_caching needs storage that stays a plain prefix; "
-                f"{self.sparse_method} ({spec.family}) evicts KV"
+                f"prefix_cache_mode 'radix' needs storage that stays a plain prefix; "
+                f"{self.sparse_method} ({spec.family}) evicts KV: use 'chain'"
             )
+        elif mode == "chain" and not spec.chain_cache:
+            raise ValueError(
+                f"prefix_cache_mode 'chain' is for eviction methods; {self.sparse_method} "
+                "keeps a plain prefix: use 'radix'"
+            )
+        object.__setattr__(self, "prefix_cache_mode", mode)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -27,3 +27,5 @@ class RequestOutput:
     error: str | None = None
     metrics: dict[str, float | int | None] = field(default_factory=dict)
     text_delta: str = ""  # text added since the previous output of this request
+    chain_id: str | None = None  # chain cache: the conversation to continue next turn
+    chain_status: str | None = None  # continued | new | not_found | diverged: ...

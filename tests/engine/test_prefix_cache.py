@@ -110,5 +110,5 @@ def test_eviction_under_pressure_never_frees_slots_in_use(model):
 
 
 def test_eviction_methods_refuse_prefix_caching(model):
-    with pytest.raises(ValueError, match="enable_prefix_caching needs storage"):
-        LLM(model, sparse_method="snapkv", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="radix. needs storage that stays a plain prefix"):
+        LLM(model, sparse_method="snapkv", prefix_cache_mode="radix")

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from sparsevllm.config import EngineConfig
+from sparsevllm.engine.chain_cache import ChainCache
 from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.prefix_cache import RadixCache
@@ -45,8 +46,13 @@ class LLMEngine:
         self.runner.bind_pool(self.pool, 2 * config.max_num_seqs + 1, self.max_model_len)
         policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
         self.prefill_policy = policy
-        self.prefix_cache = RadixCache() if config.enable_prefix_caching else None
-        self.pool.cache = self.prefix_cache
+        self.prefix_cache = self.chains = None
+        if config.enable_prefix_caching and config.prefix_cache_mode == "radix":
+            self.prefix_cache = RadixCache(free_slots=self.pool.free_slots)
+            self.pool.reclaimer = self.prefix_cache
+        elif config.enable_prefix_caching:
+            self.chains = ChainCache(on_drop=self._drop_chain)
+            self.pool.reclaimer = self.chains
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,
@@ -58,6 +64,7 @@ class LLMEngine:
                 else None
             ),
             prefix_cache=self.prefix_cache,
+            chain_cache=self.chains,
         )
         self._seq_ids = itertools.count()
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -115,15 +122,25 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        chain_id: str | None = None,
     ) -> str:
+        """Queue a request. `chain_id` names the conversation to continue (chain cache);
+        raises ChainBusyError if another running request is extending that chain."""
         params = params or SamplingParams()
         text, ids = self.encode(prompt)
         self.validate(ids, params)
-        seq_id = next(self._seq_ids)
-        request_id = request_id or f"req-{seq_id}"
-        if request_id in self._by_request:
+        if request_id is not None and request_id in self._by_request:
             raise ValueError(f"request id {request_id!r} is already in use")
+        chain, status = self.chains.acquire(ids, chain_id) if self.chains else (None, None)
+        seq_id = chain.owner if chain else next(self._seq_ids)
+        request_id = request_id or f"req-{seq_id}-{next(self._seq_ids)}"
         seq = Sequence(seq_id, request_id, ids, params, frozenset(self.eos_token_ids), text)
+        if self.chains is not None:
+            seq.chain_id = chain.chain_id if chain else (chain_id or self.chains.new_id())
+            seq.chain_status = status
+        if chain is not None:
+            seq.num_computed_tokens = seq.num_cached_tokens = len(chain.tokens)
+            self.scheduler.stats.num_cached_prompt_tokens += len(chain.tokens)
         self.runner.add_generator(seq_id, params.seed)
         if self.tokenizer is not None:
             self._detok[seq_id] = IncrementalDetokenizer(
@@ -268,13 +285,23 @@ class LLMEngine:
                 "num_preemptions": seq.num_preemptions,
             },
             text_delta=text[prev:],
+            chain_id=seq.chain_id,
+            chain_status=seq.chain_status,
         )
 
     def _forget(self, seq: Sequence) -> None:
         self._by_request.pop(seq.request_id, None)
         self._detok.pop(seq.seq_id, None)
         self._emitted.pop(seq.seq_id, None)
-        self.runner.release(seq.seq_id)
+        if seq.parked:  # the chain keeps the method state; only the table row goes
+            self.runner.release_row(seq.seq_id)
+        else:
+            self.runner.release(seq.seq_id)
+
+    def _drop_chain(self, owner: int) -> None:
+        """An idle chain is reclaimed or dropped: free its slots and method state."""
+        self.pool.release(owner)
+        self.runner.release(owner)
 
     # -- statistics ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -290,7 +317,14 @@ class LLMEngine:
             "num_decode_tokens_computed": st.num_decode_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,
             "num_cached_prompt_tokens": st.num_cached_prompt_tokens,
-            "kv_slots_cached": self.prefix_cache.num_cached_slots if self.prefix_cache else 0,
+            "kv_slots_cached": (
+                self.prefix_cache.num_cached_slots
+                if self.prefix_cache
+                else self.chains.reclaimable_slots
+                if self.chains
+                else 0
+            ),
+            "num_idle_chains": len(self.chains.chains) if self.chains else 0,
             "max_concurrent_seqs": st.max_concurrent_seqs,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -69,9 +69,11 @@ class KVPool:
         # seq_id -> per-group ordered slot list (the sequence's physical view).
         self.tables: dict[int, list[list[int]]] = {}
         # Prefix caching (one group only): leading slots a sequence borrows from the
-        # cache, and the cache itself, which gives unlocked slots back under pressure.
+        # cache. Cached state (radix nodes, idle chains) stays allocated; the reclaimer
+        # gives it back under pressure (`reclaimable_slots`, `make_room(n)` freeing
+        # through this pool).
         self._borrowed: dict[int, int] = {}
-        self.cache = None  # a RadixCache (duck-typed: num_evictable_slots, evict(n))
+        self.reclaimer = None
 
     # -- counters ---------------------------------------------------------------------
     @property
@@ -114,7 +116,7 @@ class KVPool:
     @property
     def num_available(self) -> int:
         """Free slots plus cached slots that could be evicted for new work."""
-        return self.num_free + (self.cache.num_evictable_slots if self.cache else 0)
+        return self.num_free + (self.reclaimer.reclaimable_slots if self.reclaimer else 0)
 
     def can_append(self, n: int) -> bool:
         return n <= self.num_available
@@ -124,8 +126,8 @@ class KVPool:
 
         Returns the new slots per group. Either all groups get their slots or none do.
         """
-        if n > self.num_free and self.cache is not None:
-            self._alloc[0].free(self.cache.evict(n - self.num_free))
+        if n > self.num_free and self.reclaimer is not None:
+            self.reclaimer.make_room(n - self.num_free)
         if n > self.num_free:
             raise PoolExhausted(f"sequence {seq_id} needs {n} slots, {self.num_free} free")
         tables = self.tables.setdefault(seq_id, [[] for _ in self.layer_groups])

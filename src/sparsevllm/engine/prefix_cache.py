@@ -11,6 +11,7 @@ first, whenever the pool needs slots.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 
 class _Node:
@@ -26,7 +27,10 @@ class _Node:
 
 
 class RadixCache:
-    def __init__(self) -> None:
+    """`free_slots` is called with the slots of evicted nodes (the pool's free list)."""
+
+    def __init__(self, free_slots: Callable[[list[int]], None] | None = None) -> None:
+        self.free_slots = free_slots
         self.root = _Node([], [], None)
         self.root.ref = 1  # never evicted
         self._clock = itertools.count(1)
@@ -99,6 +103,16 @@ class RadixCache:
         return upper
 
     # -- eviction -----------------------------------------------------------------------
+    @property
+    def reclaimable_slots(self) -> int:
+        return self.num_evictable_slots
+
+    def make_room(self, n: int) -> None:
+        """Evict unlocked nodes until `n` slots went back to the pool (or none is left)."""
+        freed = self.evict(n)
+        if self.free_slots is not None:
+            self.free_slots(freed)
+
     def evict(self, n: int) -> list[int]:
         """Free at least `n` slots (if possible) from unlocked nodes, LRU leaves first."""
         freed: list[int] = []

@@ -111,6 +111,12 @@ class ModelRunner:
     def add_generator(self, seq_id: int, seed: int | None) -> None:
         self.generators[seq_id] = make_generator(seed, self.device)
 
+    def release_row(self, seq_id: int) -> None:
+        """Give back a sequence's table row and generator but keep its method state
+        (an idle chain; the row is rebuilt from the pool when the chain continues)."""
+        self.tables.release(seq_id)
+        self.generators.pop(seq_id, None)
+
     def release(self, seq_id: int, keep_generator: bool = False) -> None:
         """Forget a sequence's method state and table row (and its generator unless it
         will resume after a preemption)."""

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sparsevllm.engine.chain_cache import ChainCache
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.sequence import SeqStatus, Sequence
@@ -69,6 +70,7 @@ class Scheduler:
         slots_for_step: Callable[[Sequence, int], int] | None = None,
         solo_prefill_threshold: int | None = None,
         prefix_cache: RadixCache | None = None,
+        chain_cache: ChainCache | None = None,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -79,6 +81,7 @@ class Scheduler:
         # than this prefills alone, in one full step (None: every prefill is chunked).
         self.solo_prefill_threshold = solo_prefill_threshold
         self.prefix_cache = prefix_cache
+        self.chain_cache = chain_cache
         self._cache_nodes: dict[int, object] = {}  # seq_id -> deepest locked cache node
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -106,14 +109,24 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if self.prefix_cache is not None and reason in ("stop", "length"):
+        done = reason in ("stop", "length") and self.pool.has(seq.seq_id)
+        if self.prefix_cache is not None and done:
             self._cache_finished(seq)
+        elif self.chain_cache is not None and done:
+            resident = max(
+                self.pool.num_resident(seq.seq_id, g) for g in range(self.pool.num_groups)
+            )
+            tokens = seq.token_slice(0, seq.num_computed_tokens)
+            self.chain_cache.park(seq.chain_id, seq.seq_id, tokens, resident)
+            seq.parked = True
         else:
             self._release(seq)
 
     # -- prefix cache -------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.seq_id)
+        if self.chain_cache is not None:
+            self.chain_cache.forget(seq.chain_id)  # a continued chain's state is gone
         node = self._cache_nodes.pop(seq.seq_id, None)
         if node is not None:
             self.prefix_cache.unlock(node)

@@ -52,6 +52,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    chain_id: str | None = None  # chain cache: the conversation this request extends
+    chain_status: str | None = None
+    parked: bool = False  # finished, its state kept as an idle chain
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property

@@ -1,0 +1,133 @@
+"""Chain cache: conversations continue from an eviction method's resident state.
+
+A prefix cache cannot serve eviction methods: the KV they keep is no longer a plain
+prefix. Instead, when a turn ends its whole sequence state stays resident as an idle
+*chain*: the logical tokens it has processed, the retained KV (the pool's slot tables
+of its owner sequence id) and the method's own state (kept by the method under the same
+id). A new request whose tokens start with a chain's tokens continues from that state
+and prefills only its new suffix. Pure Python: the engine supplies `on_drop`, which
+frees a dropped chain's slots and method state.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class ChainBusyError(ValueError):
+    """A second request tried to write to a chain that a running request is extending."""
+
+
+@dataclass
+class Chain:
+    chain_id: str
+    owner: int  # sequence id under which the pool and the method keep the state
+    tokens: list[int]  # logical tokens the state covers
+    resident: int  # slots it holds (fullest layer group): what dropping it frees
+    busy: bool = False
+    last_used: int = 0
+
+
+class ChainCache:
+    def __init__(self, on_drop: Callable[[int], None]) -> None:
+        self.on_drop = on_drop
+        self.chains: dict[str, Chain] = {}
+        self._clock = itertools.count(1)
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> str:
+        return f"chain-{next(self._ids)}"
+
+    # -- lookup -------------------------------------------------------------------------
+    def acquire(self, tokens: list[int], chain_id: str | None) -> tuple[Chain | None, str]:
+        """Find the chain a request continues and mark it busy.
+
+        Returns (chain or None, status). Status is `continued`, `new`, `not_found` (an
+        explicit id that is unknown, e.g. reclaimed) or `diverged: ...` (the explicit
+        chain was dropped because the request does not extend its tokens).
+        """
+        if chain_id is None:
+            chain = self._longest_idle_prefix(tokens)
+            if chain is None:
+                return None, "new"
+        else:
+            chain = self.chains.get(chain_id)
+            if chain is None:
+                return None, "not_found"
+            if chain.busy:
+                raise ChainBusyError(f"chain {chain_id!r} is busy: another request is extending it")
+            at = _divergence(chain.tokens, tokens)
+            if at is not None:
+                self.drop(chain)
+                return None, (
+                    f"diverged: the request differs from chain {chain_id!r} at token {at} "
+                    f"of {len(chain.tokens)}; the chain was dropped and the request starts fresh"
+                )
+        chain.busy = True
+        chain.last_used = next(self._clock)
+        return chain, "continued"
+
+    def _longest_idle_prefix(self, tokens: list[int]) -> Chain | None:
+        best = None
+        for chain in self.chains.values():
+            if chain.busy or _divergence(chain.tokens, tokens) is not None:
+                continue
+            if best is None or len(chain.tokens) > len(best.tokens):
+                best = chain
+        return best
+
+    # -- life cycle ---------------------------------------------------------------------
+    def park(self, chain_id: str, owner: int, tokens: list[int], resident: int) -> None:
+        """A turn ended: keep its state as the idle chain `chain_id`."""
+        old = self.chains.get(chain_id)
+        if old is not None and old.owner != owner:
+            self.drop(old)
+        self.chains[chain_id] = Chain(
+            chain_id, owner, list(tokens), resident, False, next(self._clock)
+        )
+
+    def forget(self, chain_id: str | None) -> None:
+        """The running request of a busy chain was aborted or preempted: its state is gone."""
+        if chain_id is not None:
+            self.chains.pop(chain_id, None)
+
+    def drop(self, chain: Chain) -> None:
+        self.chains.pop(chain.chain_id, None)
+        self.on_drop(chain.owner)
+
+    # -- memory pressure ----------------------------------------------------------------
+    @property
+    def reclaimable_slots(self) -> int:
+        return sum(c.resident for c in self.chains.values() if not c.busy)
+
+    def make_room(self, n: int) -> None:
+        """Drop idle chains, least recently used first, until `n` slots were freed."""
+        freed = 0
+        idle = sorted((c for c in self.chains.values() if not c.busy), key=lambda c: c.last_used)
+        for chain in idle:
+            if freed >= n:
+                break
+            self.drop(chain)
+            freed += chain.resident
+
+    def listing(self) -> list[dict[str, object]]:
+        return [
+            {
+                "chain_id": c.chain_id,
+                "logical_tokens": len(c.tokens),
+                "resident_slots": c.resident,
+                "busy": c.busy,
+            }
+            for c in self.chains.values()
+        ]
+
+
+def _divergence(chain_tokens: list[int], tokens: list[int]) -> int | None:
+    """First index where `tokens` stops extending `chain_tokens` (None: it extends them
+    with at least one new token)."""
+    for i, t in enumerate(chain_tokens):
+        if i >= len(tokens) or tokens[i] != t:
+            return i
+    return None if len(tokens) > len(chain_tokens) else len(tokens)

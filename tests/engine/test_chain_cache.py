@@ -1,0 +1,119 @@
+"""Chain cache: eviction methods continue a conversation from their resident state."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsevllm import LLM, SamplingParams
+from sparsevllm.engine.chain_cache import ChainBusyError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+TURN1 = [1] + [(11 * i) % 240 + 3 for i in range(60)]
+NEW = [[5, 6, 7, 8, 9, 10], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37]]
+
+
+def run_one(engine, prompt, chain_id=None):
+    rid = engine.add_request(prompt, GREEDY, chain_id=chain_id)
+    before = engine.stats()["num_prefill_tokens_computed"]
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    return out, engine.stats()["num_prefill_tokens_computed"] - before
+
+
+def conversation(engine, chain_id=None):
+    prompt, turns = list(TURN1), []
+    for i in range(4):
+        out, prefilled = run_one(engine, prompt, chain_id)
+        turns.append((out, prefilled, list(prompt)))
+        if i < 3:
+            prompt = prompt + out.token_ids + NEW[i]
+    return turns
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return tiny_model_factory("llama4")
+
+
+def test_large_budget_chain_equals_vanilla_recompute(model):
+    vanilla = LLM(model, enable_prefix_caching=False)
+    ref = conversation(vanilla.engine)
+    llm = LLM(model, sparse_method="snapkv", decode_keep_tokens=4096, recent_keep_tokens=64)
+    turns = conversation(llm.engine)
+    for (out, _, _), (ref_out, _, _) in zip(turns, ref):
+        assert out.token_ids == ref_out.token_ids
+    # Turns 2-4 prefill only what is new: the last answer token and the new user tokens.
+    for i, (out, prefilled, prompt) in enumerate(turns[1:]):
+        assert out.chain_status == "continued"
+        assert out.num_cached_tokens == len(turns[i][2]) + len(turns[i][0].token_ids) - 1
+        assert prefilled == len(prompt) - out.num_cached_tokens == len(NEW[i]) + 1
+    assert turns[0][0].chain_status == "new"
+
+
+def test_small_budget_stays_within_budget_across_turns(model):
+    budget = 24
+    llm = LLM(
+        model,
+        sparse_method="snapkv",
+        decode_keep_tokens=budget,
+        sink_keep_tokens=2,
+        recent_keep_tokens=6,
+    )
+    engine = llm.engine
+    turns = conversation(engine)
+    for i, (out, prefilled, _) in enumerate(turns[1:]):
+        assert prefilled == len(NEW[i]) + 1 and out.chain_status == "continued"
+    # Between turns the idle chain holds at most budget + the tokens generated since.
+    assert max(engine.pool.used_per_layer()) <= budget + GREEDY.max_tokens
+    assert engine.stats()["num_idle_chains"] == 1
+
+
+def test_explicit_chain_id_divergence_busy_and_not_found(model):
+    llm = LLM(model, sparse_method="streamingllm", sink_keep_tokens=4, recent_keep_tokens=28)
+    engine = llm.engine
+    out, _ = run_one(engine, TURN1, chain_id="conv-a")
+    assert out.chain_id == "conv-a" and out.chain_status == "not_found"
+    follow = TURN1 + out.token_ids + [9, 9]
+    # One writer per chain: a second request on a busy chain is refused.
+    engine.add_request(follow, GREEDY, chain_id="conv-a")
+    with pytest.raises(ChainBusyError, match="busy"):
+        engine.add_request(follow, GREEDY, chain_id="conv-a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    # A request that does not extend the chain drops it and starts fresh.
+    other = [1, 2, 3] + TURN1[3:]
+    out, prefilled = run_one(engine, other, chain_id="conv-a")
+    assert out.chain_status.startswith("diverged") and "token 1" in out.chain_status
+    assert prefilled == len(other)
+    out, _ = run_one(engine, TURN1, chain_id="never-seen")
+    assert out.chain_status == "not_found" and out.chain_id == "never-seen"
+
+
+def test_idle_chains_are_reclaimed_under_pressure(model):
+    llm = LLM(
+        model,
+        sparse_method="snapkv",
+        decode_keep_tokens=64,
+        recent_keep_tokens=8,
+        num_kv_slots=300,
+        chunk_prefill_size=256,
+    )
+    engine = llm.engine
+    for k in range(6):  # each idle chain keeps ~64 + 10 slots: six do not fit beside a prompt
+        prompt = [1] + [(k * 13 + i) % 240 + 3 for i in range(200)]
+        out, prefilled = run_one(engine, prompt)
+        assert len(out.token_ids) == 10 and prefilled == len(prompt)
+    stats = engine.stats()
+    assert stats["num_idle_chains"] < 6 and stats["num_preemptions"] == 0
+    assert stats["kv_slots_peak"] <= 300
+
+
+def test_prefix_cache_mode_checks(model):
+    with pytest.raises(ValueError, match="'chain' is for eviction methods"):
+        LLM(model, prefix_cache_mode="chain")
+    llm = LLM(model, sparse_method="snapkv", enable_prefix_caching=False)
+    out, _ = run_one(llm.engine, TURN1)
+    assert out.chain_id is None and llm.stats()["num_idle_chains"] == 0
