@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -224,6 +225,81 @@ def run_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from sparsevllm.server import defaults
+
+    p = sub.add_parser(
+        "serve",
+        help="Run the OpenAI-compatible HTTP server.",
+        description="Serve /v1/models, /v1/completions, /v1/chat/completions, /health and "
+        "/metrics (OpenAI-compatible; see docs/server.md). Example: sparsevllm serve "
+        "--model ./my-model --port 8000 --sparse-method snapkv",
+    )
+    srv = p.add_argument_group("server")
+    srv.add_argument(
+        "--host",
+        default=defaults.DEFAULT_HOST,
+        help=f"Address to bind (default: {defaults.DEFAULT_HOST}).",
+    )
+    srv.add_argument(
+        "--port",
+        type=int,
+        default=defaults.DEFAULT_PORT,
+        help=f"TCP port (default: {defaults.DEFAULT_PORT}).",
+    )
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("SPARSEVLLM_API_KEY"),
+        help="Require 'Authorization: Bearer KEY' on /v1 routes (default: $SPARSEVLLM_API_KEY; "
+        "unset: no authentication).",
+    )
+    srv.add_argument(
+        "--served-model-name",
+        help="Model name clients send and responses carry (default: the --model path, or "
+        "the bundled default model's name).",
+    )
+    srv.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=defaults.DEFAULT_MAX_QUEUE_LEN,
+        help="Most requests waiting for the engine; beyond it requests get HTTP 429 "
+        f"(default: {defaults.DEFAULT_MAX_QUEUE_LEN}).",
+    )
+    srv.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=defaults.DEFAULT_SHUTDOWN_GRACE_S,
+        help="On SIGINT/SIGTERM, seconds running requests may take to finish before they are "
+        f"aborted (default: {defaults.DEFAULT_SHUTDOWN_GRACE_S}).",
+    )
+    srv.add_argument(
+        "--server-log-level",
+        default="info",
+        choices=defaults.LOG_LEVELS,
+        help="Log level of uvicorn (access log included) and of the server (default: info).",
+    )
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        from sparsevllm.server.launcher import run_server
+    except ImportError as e:  # fastapi/uvicorn are not core dependencies
+        raise SystemExit(f"error: serve needs fastapi and uvicorn ({e}); pip install them") from e
+
+    return run_server(
+        engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_queue_len=args.max_queue_len,
+        shutdown_grace_s=args.shutdown_grace_s,
+        log_level=args.server_log_level,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparsevllm",
@@ -233,7 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_methods(sub)
+    _add_serve(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from sparsevllm.bench import multiturn, throughput
+
+    p = sub.add_parser(
+        "bench",
+        help="Benchmarks: throughput, multiturn.",
+        description="Benchmarks that write JSON reports (see docs/benchmarks/).",
+    )
+    kinds = p.add_subparsers(dest="bench", required=True)
+    throughput.add_parser(kinds, add_engine_args)
+    multiturn.add_parser(kinds, add_engine_args)
 
 
 def main(argv: list[str] | None = None) -> int:

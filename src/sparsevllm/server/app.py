@@ -1,0 +1,220 @@
+"""The FastAPI application: routes, authentication, body limits, error shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sparsevllm.server.async_engine import AsyncEngine
+from sparsevllm.server.chat import create_chat_completion
+from sparsevllm.server.completions import create_completion
+from sparsevllm.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN
+from sparsevllm.server.errors import APIError, bad_request, from_validation_error
+from sparsevllm.server.metrics import CONTENT_TYPE
+from sparsevllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from sparsevllm.server.serving import ServingContext
+
+logger = logging.getLogger(__name__)
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over `max_bytes` with 413 before they fill memory.
+
+    A declared Content-Length is checked up front; a chunked body is counted as it
+    arrives and the endpoint's body read fails once it passes the limit.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _too_large(self.max_bytes).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _BodyTooLarge()
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body exceeds {max_bytes} bytes", code="request_too_large")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def parse_body(request: Request, model: type[_Model]) -> _Model:
+    """Read and validate a JSON body; every failure is a 400 that names the field."""
+    body = await request.body()
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The OpenAI-compatible app over `async_engine` (its worker starts with the app).
+
+    `api_key` (if set) is required as `Authorization: Bearer KEY` on /v1 routes;
+    `max_queue_len` bounds the requests waiting for the engine (beyond it: 429).
+    """
+    ctx = ServingContext(async_engine, served_model_name, max_queue_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        logger.info("serving %s (max_model_len %d)", served_model_name, ctx.max_model_len)
+        yield
+        # Uvicorn has waited for open connections; what still runs is aborted now.
+        await asyncio.to_thread(async_engine.stop)
+        ctx.close()
+
+    app = FastAPI(title="Sparse-vLLM", summary="OpenAI-compatible API", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    _add_error_handlers(app, max_body_bytes)
+    app.include_router(_v1_router(ctx, api_key))
+    _add_ops_routes(app, ctx)
+    return app
+
+
+def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken must not reveal how much of the key matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    @router.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(ctx)]}
+
+    @router.get("/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        ctx.check_model(model)
+        return _model_card(ctx)
+
+    @router.post("/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, await parse_body(request, CompletionRequest), request)
+
+    @router.post("/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        return await create_chat_completion(ctx, body, request)
+
+    return router
+
+
+def _model_card(ctx: ServingContext) -> dict[str, Any]:
+    return {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "sparsevllm",
+        "root": ctx.engine.config.model or ctx.model_name,
+        "max_model_len": ctx.max_model_len,
+        "sparse_method": ctx.engine.config.sparse_method,
+    }
+
+
+def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        if ctx.engine.accepting:
+            return JSONResponse({"status": "ok"})
+        return APIError(503, "the engine is not running", type="service_unavailable").response()
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        text = ctx.engine.metrics.render(ctx.engine.stats())
+        return Response(text, media_type=CONTENT_TYPE)
+
+
+def _add_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        if exc.status >= 500:
+            logger.error("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc)
+        return exc.response()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        error = APIError(exc.status_code, str(exc.detail), type=kind)
+        response = error.response()
+        response.headers.update(exc.headers or {})
+        return response
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        # Only FastAPI-parsed parameters reach this (bodies are parsed by parse_body).
+        return bad_request(f"invalid request: {exc}").response()
+
+    async def too_large(request: Request, exc: Exception) -> Response:
+        return _too_large(max_body_bytes).response()
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises the exception after this response, so uvicorn logs it.
+        return APIError(500, "internal server error", type="internal_server_error").response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(_BodyTooLarge, too_large)
+    app.add_exception_handler(Exception, unexpected)

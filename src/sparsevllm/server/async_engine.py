@@ -1,0 +1,375 @@
+"""AsyncEngine: a worker thread owns the (not thread-safe) LLMEngine; asyncio talks to it.
+
+Threading model. Exactly one thread, the worker, ever calls the engine after start().
+HTTP handlers (on the event loop) put commands on a thread-safe queue: *submit* (one or
+more engine requests answered together) and *abort*. The worker drains that queue
+between engine steps, so a request that arrives while others run joins the running
+batch at the next step (continuous batching). Each submission brings its own
+asyncio.Queue; the worker hands it an acknowledgement (or the rejection) and then every
+RequestOutput of its requests via `loop.call_soon_threadsafe`, so handlers never block.
+
+Fault isolation. A bad request fails in `add_request` (validation) and only its
+submission is rejected. An exception inside `engine.step()` cannot be pinned to one
+request, so the requests in flight are failed with an error output, their KV slots
+released, and the worker goes on serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparsevllm.outputs import RequestOutput
+from sparsevllm.sampling import SamplingParams
+from sparsevllm.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# How long an idle worker sleeps on the command queue before re-checking its deadlines.
+_IDLE_WAIT_S = 0.1
+
+
+class RequestRejected(Exception):
+    """The engine refused a submission; nothing of it is queued."""
+
+
+class InvalidRequest(RequestRejected):
+    """The engine's validation failed (a client error, HTTP 400)."""
+
+
+class QueueFull(RequestRejected):
+    """More requests would wait than allowed (HTTP 429)."""
+
+
+class EngineClosed(RequestRejected):
+    """The engine is shutting down or its worker is gone (HTTP 503)."""
+
+
+class EngineFailure(RequestRejected):
+    """The engine raised something other than a ValueError (HTTP 500)."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One engine request: a tokenized prompt and its sampling parameters (n == 1)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Submission:
+    requests: list[EngineRequest]
+    queue: asyncio.Queue[Any]
+    loop: asyncio.AbstractEventLoop
+    arrival: float
+
+
+@dataclass
+class _Ack:
+    error: RequestRejected | None = None
+
+
+@dataclass
+class _Live:
+    """Worker-side bookkeeping of one engine request."""
+
+    queue: asyncio.Queue[Any]
+    loop: asyncio.AbstractEventLoop
+    arrival: float
+    first_token: float | None = None
+
+
+@dataclass
+class RequestStream:
+    """The outputs of one submission, in the order the worker produced them."""
+
+    engine: AsyncEngine
+    request_ids: list[str]
+    queue: asyncio.Queue[Any]
+    unfinished: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.unfinished = set(self.request_ids)
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished
+
+    async def next(self) -> RequestOutput:
+        out: RequestOutput = await self.queue.get()
+        if out.finished:
+            self.unfinished.discard(out.request_id)
+        return out
+
+    def abort(self) -> None:
+        """Abort whatever has not finished (safe to call any number of times)."""
+        if self.unfinished:
+            self.engine.abort(sorted(self.unfinished))
+            self.unfinished.clear()
+
+
+class AsyncEngine:
+    """Runs an LLMEngine's step loop in a background thread and serves asyncio callers.
+
+    Construct it with a ready engine; after `start()` only the worker touches it. The
+    facts handlers need (tokenizer, max_model_len, config) are read here, up front.
+    """
+
+    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.config = engine.config
+        self.metrics = metrics or ServerMetrics()
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # worker thread only
+        self._lock = threading.Lock()
+        self._pending = 0  # submitted, not yet added (or rejected) by the worker
+        self._stats: dict[str, Any] = engine.stats()
+        self._closing = False
+        self._deadline: float | None = None  # abort everything in flight after this
+        self._stop_requested = False
+        self._flush_needed = False  # aborted requests to be reported by a step
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle (any thread) -----------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sparsevllm-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def accepting(self) -> bool:
+        return self.is_alive and not self._closing
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Stop accepting; requests in flight may finish within `grace_s`, then are aborted.
+
+        Safe to call from a signal handler: it sets fields and puts on a SimpleQueue.
+        """
+        if not self._closing:
+            self._closing = True
+            self._deadline = time.monotonic() + max(grace_s, 0.0)
+            self._commands.put(("wake", None))
+
+    def stop(self, grace_s: float = 0.0, join_timeout_s: float = 30.0) -> None:
+        """Shut down (see begin_shutdown) and wait for the worker thread to exit."""
+        self.begin_shutdown(grace_s)
+        self._commands.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(join_timeout_s)
+            if self._thread.is_alive():
+                logger.warning("engine worker did not stop within %.0f s", join_timeout_s)
+
+    # -- handler side (event loop thread) -------------------------------------------------
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued here plus waiting inside the engine."""
+        with self._lock:
+            return self._pending + int(self._stats.get("num_waiting", 0))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats() as of the end of the worker's last step."""
+        return self._stats
+
+    async def submit(
+        self, requests: list[EngineRequest], max_waiting: int | None = None
+    ) -> RequestStream:
+        """Queue requests atomically (all or none) and return their output stream.
+
+        Raises QueueFull when more than `max_waiting` requests would be waiting,
+        EngineClosed while shutting down, InvalidRequest when the engine's validation
+        fails (the message says why) and EngineFailure on any other engine error.
+        """
+        if not self.accepting:
+            raise EngineClosed("the server is shutting down")
+        waiting = self.num_waiting()
+        if max_waiting is not None and waiting + len(requests) > max_waiting:
+            raise QueueFull(f"{waiting} requests are waiting (limit {max_waiting}); retry later")
+        loop = asyncio.get_running_loop()
+        out_queue: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            self._pending += len(requests)
+        self._commands.put(("submit", _Submission(requests, out_queue, loop, time.perf_counter())))
+        stream = RequestStream(self, [r.request_id for r in requests], out_queue)
+        try:
+            ack: _Ack = await out_queue.get()
+        except asyncio.CancelledError:
+            stream.abort()  # the abort command follows the submit: it always finds them
+            raise
+        if ack.error is not None:
+            stream.unfinished.clear()
+            raise ack.error
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests; thread-safe, returns at once (the worker frees their slots)."""
+        self._commands.put(("abort", list(request_ids)))
+
+    # -- worker thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        logger.info("engine worker started")
+        while True:
+            try:
+                if self._iterate():
+                    break
+            except Exception:  # a bug here must not kill the only thread serving requests
+                logger.exception("engine worker error; failing the requests in flight")
+                self._fail_all("internal engine error")
+                time.sleep(_IDLE_WAIT_S)
+        logger.info("engine worker stopped")
+
+    def _iterate(self) -> bool:
+        """One round: commands, deadline, one step. Returns True when the worker should exit."""
+        busy = self._engine.has_unfinished_requests() or self._flush_needed
+        self._drain_commands(block=not busy)
+        if self._deadline is not None and time.monotonic() >= self._deadline and self._live:
+            logger.info("shutdown grace period over: aborting %d request(s)", len(self._live))
+            for request_id in list(self._live):
+                self._flush_needed |= self._engine.abort_request(request_id)
+        if self._engine.has_unfinished_requests() or self._flush_needed:
+            self._step()
+        return self._stop_requested and not self._live and not self._flush_needed
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else None
+            while True:
+                if command is not None:
+                    self._handle(*command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "submit":
+            self._add(payload)
+        elif kind == "abort":
+            for request_id in payload:
+                self._flush_needed |= self._engine.abort_request(request_id)
+        elif kind == "stop":
+            self._stop_requested = True
+
+    def _add(self, sub: _Submission) -> None:
+        added: list[str] = []
+        error: RequestRejected | None = None
+        try:
+            if self._closing and self._deadline is not None and time.monotonic() >= self._deadline:
+                raise EngineClosed("the server is shutting down")
+            for r in sub.requests:
+                self._engine.add_request(r.prompt_token_ids, r.params, r.request_id)
+                added.append(r.request_id)
+        except Exception as e:
+            for request_id in added:  # all or nothing
+                self._flush_needed |= self._engine.abort_request(request_id)
+            if isinstance(e, RequestRejected):
+                error = e
+            elif isinstance(e, ValueError):
+                error = InvalidRequest(str(e))
+            else:
+                logger.exception("add_request failed")
+                error = EngineFailure(f"the engine failed to add the request: {e}")
+        else:
+            for r in sub.requests:
+                self._live[r.request_id] = _Live(sub.queue, sub.loop, sub.arrival)
+            self.metrics.add_prompt_tokens(sum(len(r.prompt_token_ids) for r in sub.requests))
+        finally:
+            # The new waiting count and the lower `pending` are published together, so
+            # the queue-limit check in submit() counts each request exactly once.
+            stats = self._safe_stats()
+            with self._lock:
+                self._stats = stats
+                self._pending -= len(sub.requests)
+        self._post(sub.loop, sub.queue, _Ack(error))
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as e:
+            logger.exception(
+                "engine step failed; failing the %d request(s) in flight", len(self._live)
+            )
+            self._fail_all(f"the engine failed while running this request: {e}")
+            return
+        self._flush_needed = False
+        # Stats first: a client that sees its request finish then sees it in /metrics.
+        self._refresh_stats()
+        for out in outputs:
+            self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        live = self._live.get(out.request_id)
+        if live is None:
+            return  # its submission was rolled back, or it was failed already
+        now = time.perf_counter()
+        if live.first_token is None and out.token_ids:
+            live.first_token = now
+            self.metrics.observe_first_token(now - live.arrival)
+        if out.finished:
+            del self._live[out.request_id]
+            n = len(out.token_ids)
+            per_token = None
+            if live.first_token is not None and n > 1:
+                per_token = (now - live.first_token) / (n - 1)
+            self.metrics.observe_finished(
+                out.finish_reason or "abort", now - live.arrival, per_token
+            )
+        if not self._post(live.loop, live.queue, out) and not out.finished:
+            self._flush_needed |= self._engine.abort_request(out.request_id)  # loop is gone
+
+    def _fail_all(self, message: str) -> None:
+        """Fail every request in flight with an error output and release its KV slots."""
+        for request_id, live in list(self._live.items()):
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+            error = RequestOutput(
+                request_id=request_id,
+                prompt=None,
+                prompt_token_ids=[],
+                text="",
+                token_ids=[],
+                finished=True,
+                finish_reason="error",
+                error=message,
+            )
+            self.metrics.observe_finished("error", time.perf_counter() - live.arrival, None)
+            self._post(live.loop, live.queue, error)
+        self._live.clear()
+        try:
+            self._engine.step()  # reports (and forgets) the aborted requests
+        except Exception:
+            logger.exception("engine step after failure also failed")
+        self._flush_needed = False
+        self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        stats = self._safe_stats()
+        with self._lock:
+            self._stats = stats
+
+    def _safe_stats(self) -> dict[str, Any]:
+        try:
+            return self._engine.stats()
+        except Exception:
+            logger.exception("engine.stats() failed")
+            return self._stats
+
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Any], item: Any) -> bool:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+            return True
+        except RuntimeError:  # the event loop is closed: nobody will read this
+            return False

@@ -1,0 +1,149 @@
+"""POST /v1/chat/completions: messages through the chat template, assistant replies out."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sparsevllm.outputs import RequestOutput
+from sparsevllm.server.errors import bad_request
+from sparsevllm.server.formatting import Choice, PromptInput, chat_logprobs, usage
+from sparsevllm.server.protocol import ChatCompletionRequest, check_context_length
+from sparsevllm.server.serving import (
+    EventStreamResponse,
+    ServingContext,
+    event_stream,
+    fan_out,
+    finish_reason,
+    raise_for_errors,
+)
+
+logger = logging.getLogger(__name__)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, raw: Request
+) -> Response:
+    ctx.check_model(req.model)
+    messages = [m.as_template_input() for m in req.messages]
+    prompt = PromptInput(await _apply_template(ctx, messages, bool(req.add_generation_prompt)))
+    n = req.num_choices
+    ctx.check_fan_out(n)
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = check_context_length(
+        len(prompt.token_ids), req.requested_max_tokens(), ctx.max_model_len, field, "messages"
+    )
+    params = req.sampling_params(max_tokens, req.logprobs_n())
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    choices, engine_requests = fan_out(request_id, [prompt], params, n)
+    stream = await ctx.submit(engine_requests, prompt_param="messages")
+    fmt = _Formatter(ctx, req, request_id, prompt)
+    if req.stream:
+        events = event_stream(stream, choices, fmt.head(choices), fmt.chunks, fmt.tail(choices))
+        return EventStreamResponse(events, stream)
+    finals = await ctx.collect(stream, raw)
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    raise_for_errors(finals)
+    for c in choices:
+        c.final = finals[c.request_id]
+    return JSONResponse(fmt.body(choices))
+
+
+async def _apply_template(
+    ctx: ServingContext, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> list[int]:
+    tok = ctx.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+
+    def render() -> list[int]:
+        out = tok.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        # Recent transformers return a BatchEncoding, older ones a list of ids.
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    try:
+        ids = await ctx.run_in_tokenizer_thread(render)
+    except Exception as e:  # templates raise on inputs they refuse (e.g. role order)
+        logger.info("chat template rejected the messages: %s", e)
+        raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
+    if not ids:
+        raise bad_request("the chat template produced an empty prompt", param="messages")
+    return ids
+
+
+class _Formatter:
+    """Builds the response body, or the stream chunks, of one chat request."""
+
+    def __init__(
+        self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prompt: PromptInput
+    ) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.prompt = prompt
+        self.top_n = req.logprobs_n()
+        self.base = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": ctx.model_name,
+        }
+        self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
+
+    def _logprobs(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        ids, entries = choice.new_tokens(out)
+        if self.top_n is None:
+            return None
+        return chat_logprobs(ids, entries, self.top_n, self.ctx.token_strings)
+
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        items = []
+        for c in choices:
+            assert c.final is not None
+            items.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.final.text},
+                    "logprobs": self._logprobs(c, c.final),
+                    "finish_reason": finish_reason(c.final),
+                    "stop_reason": c.final.stop_reason,
+                }
+            )
+        return {**self.base, "choices": items, "usage": usage([self.prompt], choices)}
+
+    def _chunk(self, index: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **extra}
+        return {**self.chunk_base, "choices": [item]}
+
+    def head(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        return [self._chunk(c.index, {"role": "assistant", "content": ""}) for c in choices]
+
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
+        text = choice.text_delta(out)
+        logprobs = self._logprobs(choice, out)
+        if not text and not out.finished and not (logprobs and logprobs["content"]):
+            return []
+        return [
+            self._chunk(
+                choice.index,
+                {"content": text} if text else {},
+                logprobs=logprobs,
+                finish_reason=finish_reason(out),
+                stop_reason=out.stop_reason if out.finished else None,
+            )
+        ]
+
+    def tail(self, choices: list[Choice]) -> Any:
+        def make() -> list[dict[str, Any]]:
+            if not self.req.include_usage_in_stream():
+                return []
+            return [{**self.chunk_base, "choices": [], "usage": usage([self.prompt], choices)}]
+
+        return make

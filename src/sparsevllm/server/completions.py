@@ -1,0 +1,146 @@
+"""POST /v1/completions: prompts (text or token ids) in, text completions out."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sparsevllm.outputs import RequestOutput
+from sparsevllm.server.errors import bad_request
+from sparsevllm.server.formatting import Choice, PromptInput, completion_logprobs, usage
+from sparsevllm.server.protocol import CompletionRequest, check_context_length
+from sparsevllm.server.serving import (
+    EventStreamResponse,
+    ServingContext,
+    event_stream,
+    fan_out,
+    finish_reason,
+    raise_for_errors,
+)
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
+    ctx.check_model(req.model)
+    prompts = await _tokenize_prompts(ctx, req.prompt)
+    n = req.num_choices
+    ctx.check_fan_out(len(prompts) * n)
+    max_tokens = req.max_tokens_or_default()
+    for p in prompts:
+        check_context_length(
+            len(p.token_ids), max_tokens, ctx.max_model_len, "max_tokens", "prompt"
+        )
+    params = req.sampling_params(max_tokens, req.logprobs)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    choices, engine_requests = fan_out(request_id, prompts, params, n)
+    stream = await ctx.submit(engine_requests, prompt_param="prompt")
+    if req.echo:  # the ids passed the engine's validation: safe to decode now
+        for p in prompts:
+            if p.text is None:
+                p.text = await ctx.decode(p.token_ids)
+    fmt = _Formatter(ctx, req, request_id, prompts)
+    if req.stream:
+        events = event_stream(stream, choices, [], fmt.chunks, fmt.tail(choices))
+        return EventStreamResponse(events, stream)
+    finals = await ctx.collect(stream, raw)
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    raise_for_errors(finals)
+    for c in choices:
+        c.final = finals[c.request_id]
+    return JSONResponse(fmt.body(choices))
+
+
+async def _tokenize_prompts(
+    ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[PromptInput]:
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    elif isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    ctx.check_fan_out(len(items), "prompt")  # before tokenizing thousands of prompts
+    prompts = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            prompts.append(PromptInput(await ctx.tokenize(item, "prompt"), item))
+        else:
+            prompts.append(PromptInput(list(item)))
+        if not prompts[-1].token_ids:
+            where = "prompt" if len(items) == 1 else f"prompt.{i}"
+            raise bad_request(f"{where} is empty", param="prompt")
+    return prompts
+
+
+class _Formatter:
+    """Builds the response body, or the stream chunks, of one completion request."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        req: CompletionRequest,
+        request_id: str,
+        prompts: list[PromptInput],
+    ) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.prompts = prompts
+        self.base = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": ctx.model_name,
+        }
+
+    def _echo(self, choice: Choice) -> str:
+        return (self.prompts[choice.prompt_index].text or "") if self.req.echo else ""
+
+    def _logprobs(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        ids, entries = choice.new_tokens(out)
+        if self.req.logprobs is None:
+            return None
+        return completion_logprobs(choice, ids, entries, self.ctx.token_strings)
+
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        items = []
+        for c in choices:
+            assert c.final is not None
+            items.append(
+                {
+                    "index": c.index,
+                    "text": self._echo(c) + c.final.text,
+                    "logprobs": self._logprobs(c, c.final),
+                    "finish_reason": finish_reason(c.final),
+                    "stop_reason": c.final.stop_reason,
+                }
+            )
+        return {**self.base, "choices": items, "usage": usage(self.prompts, choices)}
+
+    def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
+        first = choice.sent_tokens == 0 and choice.sent_chars == 0
+        text = (self._echo(choice) if first else "") + choice.text_delta(out)
+        logprobs = self._logprobs(choice, out)
+        if not text and not out.finished and not (logprobs and logprobs["tokens"]):
+            return []
+        item = {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(out),
+            "stop_reason": out.stop_reason if out.finished else None,
+        }
+        return [{**self.base, "choices": [item]}]
+
+    def tail(self, choices: list[Choice]) -> Any:
+        def make() -> list[dict[str, Any]]:
+            if not self.req.include_usage_in_stream():
+                return []
+            return [{**self.base, "choices": [], "usage": usage(self.prompts, choices)}]
+
+        return make

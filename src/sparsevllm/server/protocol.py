@@ -1,0 +1,206 @@
+"""Request bodies of the OpenAI-compatible API (pydantic models) and their sampling params.
+
+Validation is strict: a number sent as a string, a float where an integer belongs or a
+boolean where a number belongs is rejected (OpenAI's own API rejects them too), and
+unknown top-level fields are rejected with their name, because a misspelt
+``temprature`` would otherwise quietly sample at the default temperature. Optional
+fields accept ``null``, which some clients send for "not set".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sparsevllm.sampling import MAX_LOGPROBS, SamplingParams
+from sparsevllm.server.errors import bad_request, from_value_error
+
+# OpenAI's documented maximum for n.
+MAX_N = 128
+# Temperatures below this sample greedily (as vLLM does): dividing logits by a
+# denormal-small temperature overflows them to inf, and the softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    """`stream_options`: `include_usage` adds a final chunk with the usage."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # accepted for vLLM clients; ignored
+
+
+class SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=64)
+    stop_token_ids: list[int] | None = Field(None, max_length=1024)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(None, ge=0)
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI clients send it
+    logit_bias: dict[str, float] | None = None  # only null or {} (not supported)
+    max_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> SamplingFields:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams (n=1: the server fans `n` out itself)."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        values: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": 0.0 if temperature < GREEDY_TEMPERATURE else temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logprobs": logprobs,
+        }
+        given = {k: v for k, v in values.items() if v is not None}
+        try:
+            return SamplingParams(**given)
+        except ValueError as e:
+            raise from_value_error(e) from None
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # only equal to n (no reranking)
+    suffix: str | None = None  # only null (no insertion mode)
+
+    @model_validator(mode="after")
+    def _completion_checks(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise ValueError("best_of different from n is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
+        return self
+
+    def max_tokens_or_default(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default
+
+
+class TextPart(_Strict):
+    """A text part of a message's content (the only part type served)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message; `content` is text or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content
+        if not isinstance(content, str):
+            content = "\n".join(part.text for part in content)
+        # Chat templates predate the "developer" role; it means what "system" means.
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool | None = True
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens differ; send only one")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens (the new name) or max_tokens; None: up to max_model_len."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_context_length(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    field: str,
+    prompt_param: str,
+) -> int:
+    """Return max_tokens (defaulting to the room left); 400 when the request cannot fit."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"the prompt has {num_prompt_tokens} tokens, but this model's maximum context "
+            f"length is {max_model_len} tokens (prompt and output together)",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens; the request has "
+            f"{num_prompt_tokens} prompt tokens and asks for up to {max_tokens} output tokens "
+            f"({num_prompt_tokens + max_tokens} in all): lower {field} to at most {room}",
+            param=field,
+            code="context_length_exceeded",
+        )
+    return max_tokens

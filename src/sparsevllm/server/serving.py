@@ -1,0 +1,229 @@
+"""What the endpoints share: tokenization, submission, collection, SSE streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from sparsevllm.outputs import RequestOutput
+from sparsevllm.sampling import SamplingParams
+from sparsevllm.server.async_engine import (
+    AsyncEngine,
+    EngineClosed,
+    EngineFailure,
+    EngineRequest,
+    InvalidRequest,
+    QueueFull,
+    RequestStream,
+)
+from sparsevllm.server.errors import APIError, bad_request
+from sparsevllm.server.formatting import SSE_DONE, Choice, PromptInput, TokenStrings, sse
+
+logger = logging.getLogger(__name__)
+
+ChunkMaker = Callable[[Choice, RequestOutput], list[dict[str, Any]]]
+
+
+class ServingContext:
+    """Per-app state of the endpoints: the engine, the model name and the limits.
+
+    Tokenization (and chat templating) runs on one dedicated thread: it can take a while
+    for a long prompt and must not stall the event loop, and one thread means the
+    tokenizer is never entered by two encodes at once.
+    """
+
+    def __init__(self, engine: AsyncEngine, model_name: str, max_queue_len: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_queue_len = max_queue_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.token_strings = TokenStrings(engine.tokenizer)
+        self.created = int(time.time())
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsevllm-tok")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_fan_out(self, num_sequences: int, param: str = "n") -> None:
+        if num_sequences > self.max_queue_len:
+            raise bad_request(
+                f"the request asks for {num_sequences} sequences (prompts x n), but at most "
+                f"{self.max_queue_len} may wait at once on this server",
+                param=param,
+            )
+
+    async def run_in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def tokenize(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send prompts as token ids", param)
+        return list(await self.run_in_tokenizer_thread(self.tokenizer.encode, text))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return await self.run_in_tokenizer_thread(self.tokenizer.decode, token_ids)
+
+    async def submit(self, requests: list[EngineRequest], prompt_param: str) -> RequestStream:
+        """Submit to the engine; its refusals become API errors."""
+        try:
+            return await self.engine.submit(requests, max_waiting=self.max_queue_len)
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_exceeded", code="queue_full") from None
+        except InvalidRequest as e:
+            message = str(e)
+            param = "max_tokens" if "KV slots" in message else prompt_param
+            raise bad_request(message, param=param) from None
+        except EngineClosed as e:
+            raise APIError(503, str(e), type="service_unavailable") from None
+        except EngineFailure as e:
+            raise APIError(500, str(e), type="internal_server_error") from None
+
+    async def collect(
+        self, stream: RequestStream, request: Request
+    ) -> dict[str, RequestOutput] | None:
+        """Final outputs by request id; None (requests aborted) if the client went away."""
+        consumer = asyncio.ensure_future(_final_outputs(stream))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            consumer.cancel()
+            watcher.cancel()
+            if not stream.done:
+                logger.info(
+                    "client disconnected: aborting %s", ", ".join(sorted(stream.unfinished))
+                )
+            stream.abort()
+        if consumer.cancelled():
+            return None
+        return consumer.result()
+
+
+async def _final_outputs(stream: RequestStream) -> dict[str, RequestOutput]:
+    finals: dict[str, RequestOutput] = {}
+    while not stream.done:
+        out = await stream.next()
+        if out.finished:
+            finals[out.request_id] = out
+    return finals
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read: the next ASGI message is the disconnect (the same signal
+    # Starlette's StreamingResponse listens for).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def fan_out(
+    base_id: str, prompts: list[PromptInput], params: SamplingParams, n: int
+) -> tuple[list[Choice], list[EngineRequest]]:
+    """One engine request per (prompt, sample); sample i of a seeded request uses seed + i."""
+    choices: list[Choice] = []
+    requests: list[EngineRequest] = []
+    for p_index, prompt in enumerate(prompts):
+        for i in range(n):
+            seed = None if params.seed is None else params.seed + i
+            sample_params = dataclasses.replace(params, seed=seed)
+            request_id = f"{base_id}-{p_index}-{i}"
+            choices.append(Choice(p_index * n + i, p_index, request_id, list(params.stop)))
+            requests.append(EngineRequest(request_id, prompt.token_ids, sample_params))
+    return choices, requests
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finished else None
+
+
+def raise_for_errors(finals: dict[str, RequestOutput]) -> None:
+    """A request the engine failed (not a client error: the input was validated) is a 500."""
+    for out in finals.values():
+        if out.finish_reason == "error":
+            raise APIError(500, out.error or "the engine failed", type="internal_server_error")
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that aborts its engine requests however the response ends.
+
+    When the client disconnects, Starlette cancels the sending task. If the generator
+    was suspended at a `yield`, nothing would close it until garbage collection, and if
+    it never started (the client left before the first byte), its `finally` never runs;
+    so the response closes the generator and aborts the stream itself.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+            self.stream.abort()  # no-op when every request finished
+
+
+async def event_stream(
+    stream: RequestStream,
+    choices: list[Choice],
+    head: list[dict[str, Any]],
+    make_chunks: ChunkMaker,
+    tail: Callable[[], list[dict[str, Any]]],
+) -> AsyncIterator[str]:
+    """SSE events of a response: `head`, chunks per output, `tail`, then [DONE].
+
+    The `finally` runs on normal completion, on an engine error, and when the client
+    disconnects (CancelledError at an await, GeneratorExit at a yield): it aborts the
+    requests that have not finished, which frees their KV slots.
+    """
+    by_id = {c.request_id: c for c in choices}
+    try:
+        for chunk in head:
+            yield sse(chunk)
+        while not stream.done:
+            out = await stream.next()
+            choice = by_id.get(out.request_id)
+            if choice is None:
+                continue
+            if out.finish_reason == "error":
+                error = APIError(
+                    500, out.error or "the engine failed", type="internal_server_error"
+                )
+                yield sse(error.body())
+                return
+            if out.finished:
+                choice.final = out
+            for chunk in make_chunks(choice, out):
+                yield sse(chunk)
+        for chunk in tail():
+            yield sse(chunk)
+        yield SSE_DONE
+    finally:
+        if not stream.done:
+            logger.info("stream ended early: aborting %s", ", ".join(sorted(stream.unfinished)))
+        stream.abort()
