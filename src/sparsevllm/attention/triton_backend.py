@@ -39,8 +39,9 @@ class TritonBackend(AttentionBackend):
             want = [batch.wants_scores(layer, i) for i in range(batch.num_seqs)]
             scores = None
             if any(want):
-                scores = torch.zeros(
-                    (q.shape[0], q.shape[1], batch.max_view_len(group)),
+                # The kernel writes probabilities over the table width: [S, Hq, max_len].
+                scores = torch.empty(
+                    (q.shape[0], q.shape[1], table.shape[-1]),
                     dtype=torch.float32,
                     device=q.device,
                 )

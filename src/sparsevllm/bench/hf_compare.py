@@ -32,7 +32,9 @@ def hf_generate_throughput(args: argparse.Namespace, report: dict[str, Any]) -> 
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"weights do not map onto transformers: {missing} {unexpected}")
     hf.tie_weights()
-    batch, plen, olen = report["batch_size"], report["prompt_len"], report["output_len"]
+    runner.free_device_memory()  # our KV pool and graphs: transformers needs the room
+    batch = args.hf_batch_size or report["batch_size"]
+    plen, olen = report["prompt_len"], report["output_len"]
     vocab = ours.config.vocab_size
     rng = random.Random(args.seed)
     ids = torch.tensor(
@@ -50,6 +52,8 @@ def hf_generate_throughput(args: argparse.Namespace, report: dict[str, Any]) -> 
     decode = max(total - prefill, 1e-9)
     return {
         "impl": "transformers.generate(static cache)",
+        "batch_size": batch,
+        "prefill_tokens_per_s": batch * plen / prefill,
         "prefill_s": prefill,
         "total_s": total,
         "end_to_end_tokens_per_s": batch * olen / total,

@@ -63,37 +63,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
-    """Submit everything, step to completion, and time prefill and pure-decode steps."""
-    engine = llm.engine
-    device = engine.runner.device
-    engine.pool.reset_peak()
-    for p in prompts:
-        engine.add_request(p, params)
+def _drain(engine, device: torch.device) -> tuple[list, float, list[float], list[int]]:
+    """Step until idle; time every step that computed no prefill token."""
     decode_times: list[float] = []
     kv_layer_slots: list[int] = []  # resident slots summed over layers, per decode step
     outputs = []
     _sync(device)
     start = time.perf_counter()
-    first_decode = None
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        sched_before = engine.scheduler.stats.num_prefill_tokens_computed
-        finished = [o for o in engine.step() if o.finished]
+        before = engine.scheduler.stats.num_prefill_tokens_computed
+        outputs += [o for o in engine.step() if o.finished]
         _sync(device)
-        dt = time.perf_counter() - t0
-        outputs.extend(finished)
-        if engine.scheduler.stats.num_prefill_tokens_computed == sched_before:
-            first_decode = first_decode or t0
-            decode_times.append(dt)
+        if engine.scheduler.stats.num_prefill_tokens_computed == before:
+            decode_times.append(time.perf_counter() - t0)
             kv_layer_slots.append(sum(engine.pool.used_per_layer()))
-    total = time.perf_counter() - start
+    return outputs, time.perf_counter() - start, decode_times, kv_layer_slots
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """Two phases, so every request decodes in one batch.
+
+    Phase 1 prefills every prompt and samples its first token. Phase 2 sends each
+    prompt plus that token again: the cross-request state (radix prefix cache or chain
+    cache) restores the KV, the new token is computed, and all requests decode together
+    for the remaining tokens. Without the phases, requests that finish prefill early
+    would be done before the last prefill ends, and no step would decode the full batch.
+    """
+    engine = llm.engine
+    device = engine.runner.device
+    engine.pool.reset_peak()
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ids = [engine.add_request(p, first) for p in prompts]
+    outs, prefill_s, _, _ = _drain(engine, device)
+    by_id = {o.request_id: o for o in outs}
+    rest = SamplingParams(temperature=0.0, max_tokens=max(1, output_len - 1), ignore_eos=True)
+    for rid, p in zip(ids, prompts):
+        engine.add_request(p + by_id[rid].token_ids, rest)
+    finals, decode_s, decode_times, kv = _drain(engine, device)
     return {
-        "total_s": total,
-        "prefill_s": (first_decode or time.perf_counter()) - start,
+        "total_s": prefill_s + decode_s,
+        "prefill_s": prefill_s,
         "decode_step_times": decode_times,
-        "kv_layer_slots": kv_layer_slots,
-        "outputs": outputs,
+        "kv_layer_slots": kv,
+        "ttft": [o.metrics["time_to_first_token"] for o in outs],
+        "cached_tokens": sum(o.num_cached_tokens for o in finals),
     }
 
 
@@ -109,17 +123,17 @@ def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, 
     batch = args.batch_size or max_batch(llm, args.prompt_len, args.output_len)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([prompts[0][:64]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    warm = [[rng.randrange(vocab) for _ in range(64)]]
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     bandwidth = measure_copy_bandwidth(runner.device)
-    run = run_engine(llm, prompts, params)
+    run = run_engine(llm, prompts, args.output_len)
     steps = run["decode_step_times"][1:] or run["decode_step_times"]  # first one warms up
     step = statistics.median(steps) if steps else float("nan")
     per_layer_bytes = runner.kv_bytes_per_slot // runner.num_layers
     kv_read = statistics.median(run["kv_layer_slots"]) * per_layer_bytes if steps else 0
     weights = weight_bytes_per_step(runner.model)
     roofline = (weights + kv_read) / bandwidth
-    ttft = [o.metrics["time_to_first_token"] for o in run["outputs"]]
+    ttft = run["ttft"]
     stats = llm.stats()
     return {
         "model": args.model_config or model,
@@ -150,12 +164,15 @@ def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, 
         "roofline_step_s": roofline,
         "roofline_fraction": roofline / step if steps else None,
         "total_s": run["total_s"],
+        "decode_phase_cached_tokens": run["cached_tokens"],
+        "decode_steps_timed": len(steps),
     }
 
 
 def max_batch(llm: LLM, prompt_len: int, output_len: int) -> int:
-    """The largest batch whose worst-case residency fits the pool at once."""
-    per_seq = llm.engine.method.max_resident(prompt_len, output_len)
+    """The largest batch whose decode-time residency fits the pool at once (prefill
+    peaks are transient: admission staggers them)."""
+    per_seq = llm.engine.method.decode_resident(prompt_len, output_len) + 1
     return max(1, min(llm.engine.pool.num_slots // per_seq, llm.config.max_num_seqs))
 
 
@@ -189,6 +206,12 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args: Any) -> None:
         "--max-batch",
         action="store_true",
         help="Use the largest batch whose worst-case KV fits the pool (the default without --batch-size).",
+    )
+    p.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        help="Batch for --compare hf (default: the same batch).",
     )
     p.add_argument(
         "--compare",

@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
-    sizes += list(range(16, max_batch + 1, 16))
+    """Powers of two up to 64, then steps of 64: few graphs, little padding."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch]
+    sizes += list(range(128, max_batch + 1, 64))
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes

@@ -111,6 +111,16 @@ class ModelRunner:
     def add_generator(self, seq_id: int, seed: int | None) -> None:
         self.generators[seq_id] = make_generator(seed, self.device)
 
+    def free_device_memory(self) -> None:
+        """Drop the KV pool and captured graphs (the engine is unusable afterwards);
+        used before running another implementation in the same process."""
+        self.k_cache.clear()
+        self.v_cache.clear()
+        self.graphs = None
+        self.backend = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def release_row(self, seq_id: int) -> None:
         """Give back a sequence's table row and generator but keep its method state
         (an idle chain; the row is rebuilt from the pool when the chain continues)."""

@@ -102,6 +102,11 @@ class SparseMethod:
         """Worst-case resident slots per layer over the request's life."""
         return prompt_len + max_tokens
 
+    def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
+        """Resident slots per layer once prefill is over (what a decoding request holds
+        at most): the steady state that bounds how many requests decode at once."""
+        return self.max_resident(prompt_len, max_tokens)
+
     def knobs(self) -> dict[str, Any]:
         """The method's knob values, for reports."""
         from sparsevllm.sparse.registry import method_knobs
@@ -178,6 +183,10 @@ class ScoreEviction(SparseMethod):
         # The whole prompt is resident until prefill ends; then budget + generated tokens.
         budget = max(self.layer_budget(layer) for layer in range(self.num_layers))
         return max(prompt_len, min(prompt_len, budget) + max_tokens)
+
+    def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
+        budget = max(self.layer_budget(layer) for layer in range(self.num_layers))
+        return min(prompt_len, budget) + max_tokens
 
     def score(
         self, layer: int, step: SeqStep, keys: torch.Tensor, attn: torch.Tensor | None

@@ -33,6 +33,9 @@ class H2O(ScoreEviction):
         bound = self.budget + self.interval + self.config.chunk_prefill_size
         return min(prompt_len + max_tokens, bound)
 
+    def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
+        return min(prompt_len + max_tokens, self.budget + self.interval)
+
     def score_rows(self, step: SeqStep) -> int:
         return step.num_new
 

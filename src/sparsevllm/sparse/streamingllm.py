@@ -21,6 +21,9 @@ class StreamingLLM(SparseMethod):
         step = max(self.config.chunk_prefill_size, 1)
         return min(prompt_len + max_tokens, self.budget + step)
 
+    def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
+        return min(prompt_len + max_tokens, self.budget + 1)
+
     def after_step(self, steps: list[SeqStep], scores, kv: KVAccess) -> None:
         sink, recent = self.config.sink_keep_tokens, self.config.recent_keep_tokens
         for step in steps:

@@ -19,6 +19,9 @@ class TOVA(SparseMethod):
         bound = self.config.decode_keep_tokens + self.config.chunk_prefill_size
         return min(prompt_len + max_tokens, bound)
 
+    def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
+        return min(prompt_len + max_tokens, self.config.decode_keep_tokens + 1)
+
     def score_rows(self, step: SeqStep) -> int:
         return 1
 
