@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sparsevllm.server.async_engine import AsyncEngine
+from sparsevllm.server.async_engine import AsyncEngine, EngineClosed
+from sparsevllm.server.cache import cache_listing
 from sparsevllm.server.chat import create_chat_completion
 from sparsevllm.server.completions import create_completion
 from sparsevllm.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN
@@ -149,6 +150,13 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     async def get_model(model: str) -> dict[str, Any]:
         ctx.check_model(model)
         return _model_card(ctx)
+
+    @router.get("/cache")
+    async def cache() -> dict[str, Any]:
+        try:
+            return await ctx.engine.call(cache_listing)
+        except EngineClosed as e:
+            raise APIError(503, str(e), type="service_unavailable") from None
 
     @router.post("/completions", response_model=None)
     async def completions(request: Request) -> Response:

@@ -7,6 +7,9 @@ between engine steps, so a request that arrives while others run joins the runni
 batch at the next step (continuous batching). Each submission brings its own
 asyncio.Queue; the worker hands it an acknowledgement (or the rejection) and then every
 RequestOutput of its requests via `loop.call_soon_threadsafe`, so handlers never block.
+A third command, *call*, runs a function on the engine in the worker between steps and
+answers through an asyncio future: how the event loop reads engine state (such as the
+cache listing) without racing the worker that mutates it.
 
 Fault isolation. A bad request fails in `add_request` (validation) and only its
 submission is rejected. An exception inside `engine.step()` cannot be pinned to one
@@ -21,14 +24,18 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from sparsevllm.engine.chain_cache import ChainBusyError
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling import SamplingParams
 from sparsevllm.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # How long an idle worker sleeps on the command queue before re-checking its deadlines.
 _IDLE_WAIT_S = 0.1
@@ -40,6 +47,10 @@ class RequestRejected(Exception):
 
 class InvalidRequest(RequestRejected):
     """The engine's validation failed (a client error, HTTP 400)."""
+
+
+class ChainBusy(InvalidRequest):
+    """The named chain is being extended by another running request (HTTP 409)."""
 
 
 class QueueFull(RequestRejected):
@@ -61,6 +72,15 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    chain_id: str | None = None  # chain cache: the conversation to continue
+
+
+@dataclass(frozen=True)
+class ChainInfo:
+    """The chain the engine assigned a request at submission (None, None: no chain cache)."""
+
+    chain_id: str | None = None
+    status: str | None = None  # continued | new | not_found | diverged: ...
 
 
 @dataclass
@@ -74,6 +94,14 @@ class _Submission:
 @dataclass
 class _Ack:
     error: RequestRejected | None = None
+    chains: dict[str, ChainInfo] = field(default_factory=dict)
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
 
 
 @dataclass
@@ -94,6 +122,7 @@ class RequestStream:
     request_ids: list[str]
     queue: asyncio.Queue[Any]
     unfinished: set[str] = field(default_factory=set)
+    chains: dict[str, ChainInfo] = field(default_factory=dict)  # by request id
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.request_ids)
@@ -132,11 +161,13 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}  # worker thread only
         self._lock = threading.Lock()
         self._pending = 0  # submitted, not yet added (or rejected) by the worker
-        self._stats: dict[str, Any] = engine.stats()
+        self._stats: dict[str, Any] = {}
+        self._stats = self._safe_stats()
         self._closing = False
         self._deadline: float | None = None  # abort everything in flight after this
         self._stop_requested = False
         self._flush_needed = False  # aborted requests to be reported by a step
+        self._exited = False  # the worker has left its loop; nothing more is enqueued
         self._thread: threading.Thread | None = None
 
     # -- lifecycle (any thread) -----------------------------------------------------------
@@ -200,7 +231,11 @@ class AsyncEngine:
         out_queue: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
             self._pending += len(requests)
-        self._commands.put(("submit", _Submission(requests, out_queue, loop, time.perf_counter())))
+        sub = _Submission(requests, out_queue, loop, time.perf_counter())
+        if not self._enqueue("submit", sub):
+            with self._lock:
+                self._pending -= len(requests)
+            raise EngineClosed("the server is shutting down")
         stream = RequestStream(self, [r.request_id for r in requests], out_queue)
         try:
             ack: _Ack = await out_queue.get()
@@ -210,7 +245,29 @@ class AsyncEngine:
         if ack.error is not None:
             stream.unfinished.clear()
             raise ack.error
+        stream.chains = ack.chains
         return stream
+
+    async def call(self, fn: Callable[[Any], _T]) -> _T:
+        """Run `fn(engine)` on the worker thread between steps and return its result.
+
+        The only safe way to read engine state from the event loop. Raises EngineClosed
+        when the worker is not running; `fn`'s own exception is re-raised here.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[_T] = loop.create_future()
+        if not self.is_alive or not self._enqueue("call", _Call(fn, future, loop)):
+            raise EngineClosed("the engine worker is not running")
+        return await future
+
+    def _enqueue(self, kind: str, payload: Any) -> bool:
+        """Queue a command for the worker; False once the worker has exited (an answer
+        would never come). Under the lock, so the worker's final drain sees every one."""
+        with self._lock:
+            if self._exited:
+                return False
+            self._commands.put((kind, payload))
+            return True
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests; thread-safe, returns at once (the worker frees their slots)."""
@@ -227,7 +284,25 @@ class AsyncEngine:
                 logger.exception("engine worker error; failing the requests in flight")
                 self._fail_all("internal engine error")
                 time.sleep(_IDLE_WAIT_S)
+        self._refuse_leftovers()
         logger.info("engine worker stopped")
+
+    def _refuse_leftovers(self) -> None:
+        """Answer the commands that raced the worker's exit, so no caller waits forever."""
+        with self._lock:
+            self._exited = True
+        closed = EngineClosed("the server is shutting down")
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                with self._lock:
+                    self._pending -= len(payload.requests)
+                self._post(payload.loop, payload.queue, _Ack(closed))
+            elif kind == "call":
+                _settle(payload, error=closed)
 
     def _iterate(self) -> bool:
         """One round: commands, deadline, one step. Returns True when the worker should exit."""
@@ -257,23 +332,43 @@ class AsyncEngine:
         elif kind == "abort":
             for request_id in payload:
                 self._flush_needed |= self._engine.abort_request(request_id)
+        elif kind == "call":
+            try:
+                result = payload.fn(self._engine)
+            except Exception as e:
+                _settle(payload, error=e)
+            else:
+                _settle(payload, result=result)
         elif kind == "stop":
             self._stop_requested = True
 
     def _add(self, sub: _Submission) -> None:
         added: list[str] = []
+        chains: dict[str, ChainInfo] = {}
         error: RequestRejected | None = None
         try:
             if self._closing and self._deadline is not None and time.monotonic() >= self._deadline:
                 raise EngineClosed("the server is shutting down")
+            validate = getattr(self._engine, "validate", None)
+            if len(sub.requests) > 1 and validate is not None:
+                # Validate all first: rolling back an added request that continued a
+                # chain would lose the chain (its state is consumed when it starts).
+                for r in sub.requests:
+                    validate(r.prompt_token_ids, r.params)
             for r in sub.requests:
-                self._engine.add_request(r.prompt_token_ids, r.params, r.request_id)
+                # chain_id only when given: engines without a chain cache need not take it.
+                extra = {} if r.chain_id is None else {"chain_id": r.chain_id}
+                self._engine.add_request(r.prompt_token_ids, r.params, r.request_id, **extra)
                 added.append(r.request_id)
+                chains[r.request_id] = self._chain_of(r.request_id)
         except Exception as e:
             for request_id in added:  # all or nothing
                 self._flush_needed |= self._engine.abort_request(request_id)
+            chains = {}
             if isinstance(e, RequestRejected):
                 error = e
+            elif isinstance(e, ChainBusyError):
+                error = ChainBusy(str(e))
             elif isinstance(e, ValueError):
                 error = InvalidRequest(str(e))
             else:
@@ -290,7 +385,14 @@ class AsyncEngine:
             with self._lock:
                 self._stats = stats
                 self._pending -= len(sub.requests)
-        self._post(sub.loop, sub.queue, _Ack(error))
+        self._post(sub.loop, sub.queue, _Ack(error, chains))
+
+    def _chain_of(self, request_id: str) -> ChainInfo:
+        """The chain id and status the engine just gave a request (known from add_request
+        on, so streams can name it in their headers before the first token)."""
+        # The engine has no public accessor: its request table holds the sequence.
+        seq = getattr(self._engine, "_by_request", {}).get(request_id)
+        return ChainInfo(getattr(seq, "chain_id", None), getattr(seq, "chain_status", None))
 
     def _step(self) -> None:
         try:
@@ -361,7 +463,13 @@ class AsyncEngine:
 
     def _safe_stats(self) -> dict[str, Any]:
         try:
-            return self._engine.stats()
+            stats = self._engine.stats()
+            chains = getattr(self._engine, "chains", None)
+            if chains is not None:  # the engine's num_idle_chains counts busy ones too
+                stats["idle_chains"] = sum(1 for c in chains.listing() if not c["busy"])
+            elif "num_idle_chains" in stats:
+                stats["idle_chains"] = 0
+            return stats
         except Exception:
             logger.exception("engine.stats() failed")
             return self._stats
@@ -373,3 +481,20 @@ class AsyncEngine:
             return True
         except RuntimeError:  # the event loop is closed: nobody will read this
             return False
+
+
+def _settle(call: _Call, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve a call's future on its own loop (unless its caller has gone)."""
+
+    def resolve() -> None:
+        if call.future.done():  # cancelled: the caller went away
+            return
+        if error is not None:
+            call.future.set_exception(error)
+        else:
+            call.future.set_result(result)
+
+    try:
+        call.loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the event loop is closed
+        pass

@@ -15,12 +15,15 @@ from sparsevllm.server.errors import bad_request
 from sparsevllm.server.formatting import Choice, PromptInput, chat_logprobs, usage
 from sparsevllm.server.protocol import ChatCompletionRequest, check_context_length
 from sparsevllm.server.serving import (
+    ChainFields,
     EventStreamResponse,
     ServingContext,
+    chain_headers,
     event_stream,
     fan_out,
     finish_reason,
     raise_for_errors,
+    resolve_chain_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -30,19 +33,20 @@ async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw: Request
 ) -> Response:
     ctx.check_model(req.model)
-    messages = [m.as_template_input() for m in req.messages]
-    prompt = PromptInput(await _apply_template(ctx, messages, bool(req.add_generation_prompt)))
     n = req.num_choices
     ctx.check_fan_out(n)
+    chain_id = resolve_chain_id(req.chain_id, raw, n)
+    messages = [m.as_template_input() for m in req.messages]
+    prompt = PromptInput(await _apply_template(ctx, messages, bool(req.add_generation_prompt)))
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_context_length(
         len(prompt.token_ids), req.requested_max_tokens(), ctx.max_model_len, field, "messages"
     )
     params = req.sampling_params(max_tokens, req.logprobs_n())
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices, engine_requests = fan_out(request_id, [prompt], params, n)
+    choices, engine_requests = fan_out(request_id, [prompt], params, n, chain_id)
     stream = await ctx.submit(engine_requests, prompt_param="messages")
-    fmt = _Formatter(ctx, req, request_id, prompt)
+    fmt = _Formatter(ctx, req, request_id, prompt, ChainFields.of(stream))
     if req.stream:
         events = event_stream(stream, choices, fmt.head(choices), fmt.chunks, fmt.tail(choices))
         return EventStreamResponse(events, stream)
@@ -52,7 +56,7 @@ async def create_chat_completion(
     raise_for_errors(finals)
     for c in choices:
         c.final = finals[c.request_id]
-    return JSONResponse(fmt.body(choices))
+    return JSONResponse(fmt.body(choices), headers=chain_headers(stream))
 
 
 async def _apply_template(
@@ -83,17 +87,24 @@ class _Formatter:
     """Builds the response body, or the stream chunks, of one chat request."""
 
     def __init__(
-        self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prompt: PromptInput
+        self,
+        ctx: ServingContext,
+        req: ChatCompletionRequest,
+        request_id: str,
+        prompt: PromptInput,
+        chain: ChainFields,
     ) -> None:
         self.ctx = ctx
         self.req = req
         self.prompt = prompt
+        self.chain = chain
         self.top_n = req.logprobs_n()
         self.base = {
             "id": request_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": ctx.model_name,
+            **chain.top,
         }
         self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
 
@@ -114,16 +125,18 @@ class _Formatter:
                     "logprobs": self._logprobs(c, c.final),
                     "finish_reason": finish_reason(c.final),
                     "stop_reason": c.final.stop_reason,
+                    **self.chain.choice(c.request_id),
                 }
             )
         return {**self.base, "choices": items, "usage": usage([self.prompt], choices)}
 
-    def _chunk(self, index: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **extra}
+    def _chunk(self, choice: Choice, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        item = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}
+        item.update(extra, **self.chain.choice(choice.request_id))
         return {**self.chunk_base, "choices": [item]}
 
     def head(self, choices: list[Choice]) -> list[dict[str, Any]]:
-        return [self._chunk(c.index, {"role": "assistant", "content": ""}) for c in choices]
+        return [self._chunk(c, {"role": "assistant", "content": ""}) for c in choices]
 
     def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
         text = choice.text_delta(out)
@@ -132,7 +145,7 @@ class _Formatter:
             return []
         return [
             self._chunk(
-                choice.index,
+                choice,
                 {"content": text} if text else {},
                 logprobs=logprobs,
                 finish_reason=finish_reason(out),

@@ -14,12 +14,15 @@ from sparsevllm.server.errors import bad_request
 from sparsevllm.server.formatting import Choice, PromptInput, completion_logprobs, usage
 from sparsevllm.server.protocol import CompletionRequest, check_context_length
 from sparsevllm.server.serving import (
+    ChainFields,
     EventStreamResponse,
     ServingContext,
+    chain_headers,
     event_stream,
     fan_out,
     finish_reason,
     raise_for_errors,
+    resolve_chain_id,
 )
 
 
@@ -28,6 +31,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     prompts = await _tokenize_prompts(ctx, req.prompt)
     n = req.num_choices
     ctx.check_fan_out(len(prompts) * n)
+    chain_id = resolve_chain_id(req.chain_id, raw, len(prompts) * n)
     max_tokens = req.max_tokens_or_default()
     for p in prompts:
         check_context_length(
@@ -35,13 +39,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         )
     params = req.sampling_params(max_tokens, req.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    choices, engine_requests = fan_out(request_id, prompts, params, n)
+    choices, engine_requests = fan_out(request_id, prompts, params, n, chain_id)
     stream = await ctx.submit(engine_requests, prompt_param="prompt")
     if req.echo:  # the ids passed the engine's validation: safe to decode now
         for p in prompts:
             if p.text is None:
                 p.text = await ctx.decode(p.token_ids)
-    fmt = _Formatter(ctx, req, request_id, prompts)
+    fmt = _Formatter(ctx, req, request_id, prompts, ChainFields.of(stream))
     if req.stream:
         events = event_stream(stream, choices, [], fmt.chunks, fmt.tail(choices))
         return EventStreamResponse(events, stream)
@@ -51,7 +55,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     raise_for_errors(finals)
     for c in choices:
         c.final = finals[c.request_id]
-    return JSONResponse(fmt.body(choices))
+    return JSONResponse(fmt.body(choices), headers=chain_headers(stream))
 
 
 async def _tokenize_prompts(
@@ -87,15 +91,18 @@ class _Formatter:
         req: CompletionRequest,
         request_id: str,
         prompts: list[PromptInput],
+        chain: ChainFields,
     ) -> None:
         self.ctx = ctx
         self.req = req
         self.prompts = prompts
+        self.chain = chain
         self.base = {
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
             "model": ctx.model_name,
+            **chain.top,
         }
 
     def _echo(self, choice: Choice) -> str:
@@ -118,6 +125,7 @@ class _Formatter:
                     "logprobs": self._logprobs(c, c.final),
                     "finish_reason": finish_reason(c.final),
                     "stop_reason": c.final.stop_reason,
+                    **self.chain.choice(c.request_id),
                 }
             )
         return {**self.base, "choices": items, "usage": usage(self.prompts, choices)}
@@ -134,6 +142,7 @@ class _Formatter:
             "logprobs": logprobs,
             "finish_reason": finish_reason(out),
             "stop_reason": out.stop_reason if out.finished else None,
+            **self.chain.choice(choice.request_id),
         }
         return [{**self.base, "choices": [item]}]
 

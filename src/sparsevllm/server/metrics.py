@@ -41,6 +41,12 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ),
     ("kv_cache_usage_ratio", "gauge", "kv_usage_ratio", "Fraction of KV slots in use."),
     (
+        "idle_chains",
+        "gauge",
+        "idle_chains",
+        "Idle chains of the chain cache: finished turns whose state stays resident.",
+    ),
+    (
         "max_concurrent_requests",
         "gauge",
         "max_concurrent_seqs",

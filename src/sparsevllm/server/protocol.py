@@ -9,15 +9,20 @@ fields accept ``null``, which some clients send for "not set".
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sparsevllm.sampling import MAX_LOGPROBS, SamplingParams
 from sparsevllm.server.errors import bad_request, from_value_error
 
 # OpenAI's documented maximum for n.
 MAX_N = 128
+# Chain ids (chain cache): echoed in a response header, so visible ASCII only.
+MAX_CHAIN_ID_LEN = 128
+CHAIN_ID_HEADER = "X-SparseVLLM-Chain-ID"
+_CHAIN_ID_CHARS = re.compile(r"[\x21-\x7e]+")
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a
 # denormal-small temperature overflows them to inf, and the softmax to NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -58,6 +63,14 @@ class SamplingFields(_Strict):
     user: str | None = None  # accepted and ignored, as OpenAI clients send it
     logit_bias: dict[str, float] | None = None  # only null or {} (not supported)
     max_tokens: int | None = Field(None, ge=1)
+    chain_id: str | None = None  # chain cache: the conversation this request continues
+
+    @field_validator("chain_id")
+    @classmethod
+    def _chain_id(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_chain_id(value, "chain_id")
+        return value
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingFields:
@@ -204,3 +217,12 @@ def check_context_length(
             code="context_length_exceeded",
         )
     return max_tokens
+
+
+def check_chain_id(value: str, source: str) -> None:
+    """Raise ValueError unless `value` is a valid chain id (`source` names where it came from)."""
+    if not 1 <= len(value) <= MAX_CHAIN_ID_LEN or not _CHAIN_ID_CHARS.fullmatch(value):
+        raise ValueError(
+            f"{source} must be 1 to {MAX_CHAIN_ID_LEN} visible ASCII characters "
+            f"(no spaces or control characters)"
+        )

@@ -18,6 +18,8 @@ from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling import SamplingParams
 from sparsevllm.server.async_engine import (
     AsyncEngine,
+    ChainBusy,
+    ChainInfo,
     EngineClosed,
     EngineFailure,
     EngineRequest,
@@ -27,6 +29,7 @@ from sparsevllm.server.async_engine import (
 )
 from sparsevllm.server.errors import APIError, bad_request
 from sparsevllm.server.formatting import SSE_DONE, Choice, PromptInput, TokenStrings, sse
+from sparsevllm.server.protocol import CHAIN_ID_HEADER, check_chain_id
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,10 @@ class ServingContext:
             return await self.engine.submit(requests, max_waiting=self.max_queue_len)
         except QueueFull as e:
             raise APIError(429, str(e), type="rate_limit_exceeded", code="queue_full") from None
+        except ChainBusy as e:
+            raise APIError(
+                409, str(e), type="conflict", param="chain_id", code="chain_busy"
+            ) from None
         except InvalidRequest as e:
             message = str(e)
             param = "max_tokens" if "KV slots" in message else prompt_param
@@ -120,6 +127,78 @@ class ServingContext:
         return consumer.result()
 
 
+def resolve_chain_id(body_value: str | None, request: Request, num_sequences: int) -> str | None:
+    """The request's chain id: the `chain_id` field or the X-SparseVLLM-Chain-ID header.
+
+    Both may be given only with the same value. A chain has one writer, so a chain id
+    with several sequences (n > 1 or several prompts) is refused.
+    """
+    headers = request.headers.getlist(CHAIN_ID_HEADER)
+    header_value = None
+    if headers:
+        values = {h.strip() for h in headers}
+        if len(values) > 1:
+            raise bad_request(
+                f"the {CHAIN_ID_HEADER} header is given {len(headers)} times with different "
+                f"values; send it once",
+                param="chain_id",
+            )
+        header_value = values.pop()
+        try:
+            check_chain_id(header_value, f"the {CHAIN_ID_HEADER} header")
+        except ValueError as e:
+            raise bad_request(str(e), param="chain_id") from None
+    if body_value is not None and header_value is not None and body_value != header_value:
+        raise bad_request(
+            f"the chain_id field ({body_value!r}) and the {CHAIN_ID_HEADER} header "
+            f"({header_value!r}) differ; send one of them, or the same id in both",
+            param="chain_id",
+            code="chain_id_conflict",
+        )
+    chain_id = body_value if body_value is not None else header_value
+    if chain_id is not None and num_sequences > 1:
+        raise bad_request(
+            f"chain_id names one conversation, but this request asks for {num_sequences} "
+            f"sequences (n > 1 or several prompts); send one prompt with n = 1",
+            param="chain_id",
+        )
+    return chain_id
+
+
+def chain_of(stream: RequestStream) -> ChainInfo:
+    """The response's chain: that of its only sequence (none when it has several)."""
+    if len(stream.request_ids) != 1:
+        return ChainInfo()
+    return stream.chains.get(stream.request_ids[0], ChainInfo())
+
+
+@dataclasses.dataclass
+class ChainFields:
+    """`chain_id` and `chain_status` of a response: top-level for every body and chunk;
+    with several choices the top-level ones are null and each choice carries its own."""
+
+    top: dict[str, Any]
+    per_choice: dict[str, dict[str, Any]]  # by request id; empty for a single choice
+
+    @classmethod
+    def of(cls, stream: RequestStream) -> ChainFields:
+        info = chain_of(stream)
+        per_choice: dict[str, dict[str, Any]] = {}
+        if len(stream.request_ids) > 1 and any(c.chain_id for c in stream.chains.values()):
+            for request_id in stream.request_ids:
+                each = stream.chains.get(request_id, ChainInfo())
+                per_choice[request_id] = {"chain_id": each.chain_id, "chain_status": each.status}
+        return cls({"chain_id": info.chain_id, "chain_status": info.status}, per_choice)
+
+    def choice(self, request_id: str) -> dict[str, Any]:
+        return self.per_choice.get(request_id, {})
+
+
+def chain_headers(stream: RequestStream) -> dict[str, str]:
+    chain_id = chain_of(stream).chain_id
+    return {CHAIN_ID_HEADER: chain_id} if chain_id is not None else {}
+
+
 async def _final_outputs(stream: RequestStream) -> dict[str, RequestOutput]:
     finals: dict[str, RequestOutput] = {}
     while not stream.done:
@@ -137,7 +216,11 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def fan_out(
-    base_id: str, prompts: list[PromptInput], params: SamplingParams, n: int
+    base_id: str,
+    prompts: list[PromptInput],
+    params: SamplingParams,
+    n: int,
+    chain_id: str | None = None,
 ) -> tuple[list[Choice], list[EngineRequest]]:
     """One engine request per (prompt, sample); sample i of a seeded request uses seed + i."""
     choices: list[Choice] = []
@@ -148,7 +231,7 @@ def fan_out(
             sample_params = dataclasses.replace(params, seed=seed)
             request_id = f"{base_id}-{p_index}-{i}"
             choices.append(Choice(p_index * n + i, p_index, request_id, list(params.stop)))
-            requests.append(EngineRequest(request_id, prompt.token_ids, sample_params))
+            requests.append(EngineRequest(request_id, prompt.token_ids, sample_params, chain_id))
     return choices, requests
 
 
@@ -175,7 +258,8 @@ class EventStreamResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **chain_headers(stream)}
+        super().__init__(content, headers=headers)
         self.stream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

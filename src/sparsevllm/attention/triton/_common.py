@@ -1,0 +1,73 @@
+"""Small host-side helpers shared by the Triton kernels' launchers."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# log2(e): the kernels run their softmax in base 2 (exp2 is one MUFU instruction), so the
+# softmax scale is folded with log2(e) once on the host.
+LOG2E = 1.4426950408889634
+
+# Assumed when no CUDA device can be asked (the Triton interpreter on CPU): an H200/H100.
+DEFAULT_NUM_SMS = 132
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (>= 1): Triton block shapes must be powers of two."""
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision for operands of `dtype`.
+
+    fp32 operands default to TF32 on tensor cores (~1e-3 relative error), which would
+    make an fp32 cache no more exact than bf16; "ieee" keeps fp32 exact. The option is
+    ignored for 16-bit operands.
+    """
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a host-side query, cached: graph-safe)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_sm_count(index)
+    return DEFAULT_NUM_SMS
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    """The kernels address the innermost dimension with unit stride."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit-stride last dimension, got {t.stride()}")
+
+
+def check_attention_args(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    table: torch.Tensor,  # [num_rows, max_len]
+    out: torch.Tensor,  # [T, Hq, D]
+) -> torch.Tensor:
+    """Validate the arguments the attention launchers share; returns a unit-stride q."""
+    if (
+        q.shape[1] % k_cache.shape[1]
+        or k_cache.shape[2] != q.shape[2]
+        or v_cache.shape != k_cache.shape
+        or out.shape != q.shape
+    ):
+        raise ValueError(
+            f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+            f"v_cache {tuple(v_cache.shape)}, out {tuple(out.shape)}"
+        )
+    if table.stride(1) != 1:
+        raise ValueError("table rows must be contiguous")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        check_last_dim_contiguous(name, t)
+    return q if q.stride(-1) == 1 else q.contiguous()

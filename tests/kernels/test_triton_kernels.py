@@ -1,0 +1,354 @@
+"""Triton kernels vs float64 references built on torch_ref's semantics.
+
+Runs on CUDA tensors when a GPU is present, or on CPU tensors under the Triton
+interpreter (TRITON_INTERPRET=1, small shapes); skips otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not HAS_TRITON:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not (torch.cuda.is_available() or INTERPRET):
+    pytest.skip(
+        "needs a CUDA GPU, or TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True
+    )
+
+from sparsevllm.attention import torch_ref  # noqa: E402
+from sparsevllm.attention.triton import (  # noqa: E402
+    auto_num_splits,
+    decode_attention,
+    prefill_attention,
+    quest_page_minmax,
+    quest_page_scores,
+    store_kv,
+    window_attention_mass,
+)
+from sparsevllm.sparse.quest import page_scores  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+ON_GPU = DEVICE.type == "cuda"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+HEADS = [(8, 2), (4, 4)]  # (Hq, Hkv): GQA and MHA
+DECODE_LENS = [1, 7, 63, 64, 65, 1100] + ([4097, 8192] if ON_GPU else [])
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_pool(
+    lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Caches, table, rows, view_lens for views of `lens` over randomly permuted slots.
+
+    Slot 0 holds NaN K/V and pads every table row, so reading past a view poisons the
+    output; rows are permuted and the table has spare rows.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    num_slots = total + 37
+    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen)
+    k_cache[0] = v_cache[0] = float("nan")
+    free = torch.randperm(num_slots - 1, generator=gen)[:total] + 1
+    num_rows, max_len = len(lens) + 3, max(lens) + 5
+    table = torch.zeros(num_rows, max_len, dtype=torch.int32)
+    rows = torch.randperm(num_rows, generator=gen)[: len(lens)].to(torch.int32)
+    offset = 0
+    for row, n in zip(rows.tolist(), lens):
+        table[row, :n] = free[offset : offset + n].to(torch.int32)
+        offset += n
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    out = (k_cache.to(dtype), v_cache.to(dtype), table, rows, lens_t)
+    return tuple(t.to(DEVICE) for t in out)
+
+
+def random_subset(lens: list[int], num_kv_heads: int, cap: int, seed: int):
+    """Per-head ascending context positions (< L - 1), varied counts incl. 0 and `cap`."""
+    gen = torch.Generator().manual_seed(seed)
+    subset = torch.zeros(len(lens), num_kv_heads, cap, dtype=torch.int32)
+    counts = []
+    for s, n in enumerate(lens):
+        count = min(n - 1, cap, [0, cap, max(1, n // 3)][s % 3])
+        for h in range(num_kv_heads):
+            pick = torch.randperm(n - 1, generator=gen)[:count].sort().values
+            subset[s, h, :count] = pick.to(torch.int32)
+        counts.append(count)
+    return subset.to(DEVICE), torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+
+
+def decode_reference(q, k_cache, v_cache, table, rows, lens, scale, subset=None, counts=None):
+    """float64 (out [S, Hq, D], probs [S, Hq, max_len]) per torch_ref.gather_selected/attend."""
+    num_seqs, num_q_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    kc, vc = k_cache.double(), v_cache.double()
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    probs = torch.zeros(num_seqs, num_q_heads, table.shape[1], dtype=torch.float64, device=q.device)
+    for s in range(num_seqs):
+        n = int(lens[s])
+        view = table[int(rows[s]), :n].long()
+        if subset is None:
+            positions = torch.arange(n, device=q.device).expand(num_kv_heads, n)
+            k, v = kc[view], vc[view]
+        else:
+            sel = subset[s, :, : int(counts[s])].long()  # [Hkv, B]
+            k, v = torch_ref.gather_selected(kc, vc, view, sel)
+            last = torch.full((num_kv_heads, 1), n - 1, device=q.device)
+            positions = torch.cat([sel, last], dim=1)  # [Hkv, B + 1]
+        qs = q[s : s + 1].double()
+        out[s] = torch_ref.attend(qs, k, v, scale)[0]
+        kk = k.repeat_interleave(group, dim=1)  # [n', Hq, D]
+        p = (torch.einsum("hd,nhd->hn", qs[0], kk) * scale).softmax(dim=-1)  # [Hq, n']
+        probs[s].scatter_(1, positions.repeat_interleave(group, dim=0), p)
+    return out, probs
+
+
+def run_decode(dtype, heads, head_dim, lens, num_splits, subset_cap=None, scores=False, seed=0):
+    num_q_heads, num_kv_heads = heads
+    k_cache, v_cache, table, rows, view_lens = make_pool(lens, num_kv_heads, head_dim, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(lens), num_q_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    scale = head_dim**-0.5
+    subset = counts = None
+    if subset_cap is not None:
+        subset, counts = random_subset(lens, num_kv_heads, subset_cap, seed)
+    out = torch.full_like(q, float("nan"))
+    scores_out = None
+    if scores:
+        scores_out = torch.full(
+            (len(lens), num_q_heads, table.shape[1]), float("nan"), device=DEVICE
+        )
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        view_lens,
+        scale,
+        out,
+        subset=subset,
+        subset_lens=counts,
+        scores_out=scores_out,
+        num_splits=num_splits,
+    )
+    ref, probs = decode_reference(
+        q, k_cache, v_cache, table, rows, view_lens, scale, subset, counts
+    )
+    assert torch.isfinite(out).all(), "output not fully written (NaN poison left)"
+    assert rel_err(out, ref) < TOL[dtype]
+    if scores:
+        assert torch.isfinite(scores_out).all()
+        assert rel_err(scores_out, probs) < TOL[dtype]
+        for s, n in enumerate(lens):
+            assert (scores_out[s, :, n:] == 0).all()
+        torch.testing.assert_close(
+            scores_out.sum(-1).double(), torch.ones_like(probs.sum(-1)), atol=1e-3, rtol=0
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode(dtype, heads, head_dim, num_splits):
+    run_decode(dtype, heads, head_dim, DECODE_LENS, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 64])
+def test_decode_more_splits_than_tiles(num_splits):
+    # Short views leave most splits empty; the merge must ignore them.
+    run_decode(torch.float32, (8, 2), 64, [1, 2, 5, 70], num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_subset(dtype, heads, num_splits):
+    run_decode(dtype, heads, 64, DECODE_LENS, num_splits, subset_cap=300, seed=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("subset_cap", [None, 200])
+def test_decode_scores(dtype, heads, num_splits, subset_cap):
+    run_decode(dtype, heads, 128, DECODE_LENS, num_splits, subset_cap, scores=True, seed=5)
+
+
+def test_decode_padding_row_is_zero():
+    # CUDA-graph padding: a sequence with an empty view must produce zeros, not NaN.
+    k_cache, v_cache, table, rows, view_lens = make_pool([5, 9], 2, 64, torch.float32)
+    view_lens[1] = 0
+    q = torch.randn(2, 8, 64, device=DEVICE)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, k_cache, v_cache, table, rows, view_lens, 0.1, out, num_splits=splits)
+        assert torch.isfinite(out).all() and (out[1] == 0).all()
+
+
+def test_auto_num_splits_depends_on_shapes_only():
+    dev = torch.device("cpu")  # assumes 132 SMs (an H100/H200)
+    assert auto_num_splits(64, 8, 8192, dev) == 1  # 512 programs already fill the GPU
+    assert auto_num_splits(32, 8, 8192, dev) == 2
+    assert auto_num_splits(8, 8, 8192, dev) == 8
+    assert auto_num_splits(1, 8, 8192, dev) == 32  # capped by MIN_SPLIT_TOKENS
+    assert auto_num_splits(1, 8, 100, dev) == 1  # too short to split
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("heads_dim", [(2, 64), (8, 128)])
+def test_store_kv(cache_dtype, index_dtype, heads_dim):
+    num_kv_heads, head_dim = heads_dim
+    num_tokens, num_slots = 19, 50
+    gen = torch.Generator().manual_seed(7)
+    # k and v as strided slices of one fused buffer, like a QKV projection's output.
+    fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    k, v = fused[:, :num_kv_heads], fused[:, num_kv_heads : 2 * num_kv_heads]
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    slots[[3, 11]] = -1  # padding rows
+    slots = slots.to(index_dtype).to(DEVICE)
+    k_cache = (
+        torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(DEVICE)
+    )
+    v_cache = (
+        torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(DEVICE)
+    )
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    store_kv(k, v, k_cache, v_cache, slots)
+    valid = slots >= 0
+    written = slots[valid].long()
+    # The interpreter rounds fp32 -> bf16 toward zero, a GPU to nearest: allow one ulp there.
+    rtol = 2**-7 if INTERPRET and cache_dtype != torch.float32 else 0.0
+    torch.testing.assert_close(k_cache[written], k[valid].to(cache_dtype), rtol=rtol, atol=0)
+    torch.testing.assert_close(v_cache[written], v[valid].to(cache_dtype), rtol=rtol, atol=0)
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.equal(k_cache[untouched], k_before[untouched])
+    assert torch.equal(v_cache[untouched], v_before[untouched])
+
+
+# (cached prefix, chunk length) per sequence: single tokens, ragged and tile-sized chunks.
+# Prefixes 62 and 63 put a chunk's first query just before / on a tile boundary.
+PREFILL_BASE = [(0, 1), (5, 7), (0, 63), (70, 64), (0, 65), (3, 130), (62, 66), (63, 5)]
+PREFILL_SEQS = PREFILL_BASE + ([(1000, 3000), (0, 4100)] if ON_GPU else [(1000, 40)])
+
+
+def run_prefill(dtype, heads, head_dim, seqs, **tiles):
+    num_q_heads, num_kv_heads = heads
+    lens = [p + n for p, n in seqs]
+    k_cache, v_cache, table, rows, view_lens = make_pool(lens, num_kv_heads, head_dim, dtype, 11)
+    q_lens = [n for _, n in seqs]
+    q_starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(
+        q, k_cache, v_cache, table, rows, q_starts, view_lens, scale, out, max(q_lens), **tiles
+    )
+    assert torch.isfinite(out).all(), "output not fully written (NaN poison left)"
+    kc, vc = k_cache.double(), v_cache.double()
+    ref = torch.empty(out.shape, dtype=torch.float64, device=DEVICE)
+    for s, (start, n) in enumerate(zip(q_starts.tolist(), q_lens)):
+        view = table[int(rows[s]), : lens[s]].long()
+        ref[start : start + n] = torch_ref.attend(
+            q[start : start + n].double(), kc[view], vc[view], scale
+        )
+    assert rel_err(out, ref) < TOL[dtype]
+    for start, n in zip(q_starts.tolist(), q_lens):  # every sequence, not just the batch norm
+        assert rel_err(out[start : start + n], ref[start : start + n]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill(dtype, heads, head_dim):
+    run_prefill(dtype, heads, head_dim, PREFILL_SEQS)
+
+
+def test_prefill_long_chunk():
+    # A 1000+ query chunk spans many query blocks (one config: the interpreter is slow).
+    run_prefill(torch.bfloat16, (8, 2), 64, [(0, 1030)])
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 64), (32, 16), (64, 32), (128, 128), (256, 64)])
+def test_prefill_tile_shapes(block_m, block_n):
+    # BLOCK_M != BLOCK_N moves the diagonal inside tiles in every way. fp32 (tight
+    # tolerance) where it fits in shared memory; the production-size tiles in bf16.
+    dtype = torch.float32 if block_m * block_n <= 2048 else torch.bfloat16
+    tiles = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+    run_prefill(dtype, (8, 2), 64, PREFILL_BASE, **tiles)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("window", [1, 8])
+def test_window_attention_mass(heads, window):
+    num_q_heads, num_kv_heads = heads
+    length = 300
+    k_cache, _, table, rows, _ = make_pool([length], num_kv_heads, 64, torch.float32, 21)
+    q = torch.randn(window, num_q_heads, 64, device=DEVICE)
+    got = window_attention_mass(q, k_cache, table[int(rows[0])], length, 0.125)
+    view = table[int(rows[0]), :length].long()
+    kk = k_cache[view].double().repeat_interleave(num_q_heads // num_kv_heads, dim=1)
+    logits = torch.einsum("rhd,lhd->hrl", q.double(), kk) * 0.125
+    mask = torch_ref.causal_mask(window, length, DEVICE)
+    ref = logits.masked_fill(~mask, float("-inf")).softmax(-1).sum(1)
+    assert got.shape == (num_q_heads, length) and got.dtype == torch.float32
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_quest_pages():
+    page, num_kv_heads, head_dim = 16, 2, 64
+    length = 16 * 9 + 5  # nine full pages and a partial one
+    k_cache, _, table, rows, _ = make_pool([length], num_kv_heads, head_dim, torch.bfloat16, 31)
+    row = int(rows[0])
+    pmin, pmax = quest_page_minmax(k_cache, table, row, 2, 9, page)
+    keys = k_cache[table[row, 2 * page : 9 * page].long()].float().view(7, page, num_kv_heads, -1)
+    assert torch.equal(pmin, keys.amin(1)) and torch.equal(pmax, keys.amax(1))
+    q = torch.randn(8, head_dim, device=DEVICE)
+    got = quest_page_scores(q, pmin, pmax, num_kv_heads)
+    ref = page_scores(q.double(), pmin.double(), pmax.double(), num_kv_heads)
+    assert got.shape == (num_kv_heads, 7)
+    assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_decode_cuda_graph_replay():
+    lens = [300, 4000, 17, 9000]
+    k_cache, v_cache, table, rows, view_lens = make_pool(lens, 8, 128, torch.bfloat16, 41)
+    q = torch.randn(4, 32, 128, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    scores = torch.empty(4, 32, table.shape[1], device=DEVICE)
+
+    def step() -> None:
+        decode_attention(q, k_cache, v_cache, table, rows, view_lens, 0.088, out, scores_out=scores)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # New data and shorter views in the same buffers, then replay.
+    q.copy_(torch.randn_like(q))
+    view_lens.copy_(torch.tensor([299, 1, 9, 8191], dtype=torch.int32, device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, probs = decode_reference(q, k_cache, v_cache, table, rows, view_lens, 0.088)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    assert rel_err(scores, probs) < TOL[torch.bfloat16]
