@@ -42,7 +42,8 @@ def model(tiny_model_factory):
 def test_cuda_matches_cpu_reference(model, method, eager):
     kwargs = dict(sparse_method=method, dtype="float32", chunk_prefill_size=16, **CASES[method])
     cpu = LLM(model, device="cpu", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
-    gpu_llm = LLM(model, device="cuda", enforce_eager=eager, **kwargs)
+    # A small pool: engines of earlier tests may not be garbage-collected yet.
+    gpu_llm = LLM(model, device="cuda", enforce_eager=eager, kv_cache_memory_gb=1, **kwargs)
     gpu = gpu_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
     assert gpu_llm.engine.runner.backend.name == "triton"
@@ -53,7 +54,7 @@ def test_bf16_logits_close_to_transformers(model):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    llm = LLM(model, device="cuda", dtype="bfloat16")
+    llm = LLM(model, device="cuda", dtype="bfloat16", kv_cache_memory_gb=1)
     prompt = PROMPTS[0]
     ours = llm.prompt_logits(prompt).cpu()
     with torch.no_grad():
