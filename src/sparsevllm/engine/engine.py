@@ -151,6 +151,11 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
+    def chain_of(self, request_id: str) -> tuple[str | None, str | None]:
+        """The chain id and status a queued or running request was given (chain cache)."""
+        seq = self._by_request.get(request_id)
+        return (seq.chain_id, seq.chain_status) if seq else (None, None)
+
     def abort_request(self, request_id: str) -> bool:
         seq = self._by_request.get(request_id)
         if seq is None or seq.is_finished:
@@ -324,7 +329,9 @@ class LLMEngine:
                 if self.chains
                 else 0
             ),
-            "num_idle_chains": len(self.chains.chains) if self.chains else 0,
+            "num_idle_chains": (
+                sum(not c.busy for c in self.chains.chains.values()) if self.chains else 0
+            ),
             "max_concurrent_seqs": st.max_concurrent_seqs,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -390,9 +390,8 @@ class AsyncEngine:
     def _chain_of(self, request_id: str) -> ChainInfo:
         """The chain id and status the engine just gave a request (known from add_request
         on, so streams can name it in their headers before the first token)."""
-        # The engine has no public accessor: its request table holds the sequence.
-        seq = getattr(self._engine, "_by_request", {}).get(request_id)
-        return ChainInfo(getattr(seq, "chain_id", None), getattr(seq, "chain_status", None))
+        chain_of = getattr(self._engine, "chain_of", None)  # test fakes may lack it
+        return ChainInfo(*chain_of(request_id)) if chain_of else ChainInfo(None, None)
 
     def _step(self) -> None:
         try:
