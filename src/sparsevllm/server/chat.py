@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.server.errors import bad_request
@@ -16,14 +16,11 @@ from sparsevllm.server.formatting import Choice, PromptInput, chat_logprobs, usa
 from sparsevllm.server.protocol import ChatCompletionRequest, check_context_length
 from sparsevllm.server.serving import (
     ChainFields,
-    EventStreamResponse,
     ServingContext,
-    chain_headers,
-    event_stream,
     fan_out,
     finish_reason,
-    raise_for_errors,
     resolve_chain_id,
+    respond,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,16 +44,8 @@ async def create_chat_completion(
     choices, engine_requests = fan_out(request_id, [prompt], params, n, chain_id)
     stream = await ctx.submit(engine_requests, prompt_param="messages")
     fmt = _Formatter(ctx, req, request_id, prompt, ChainFields.of(stream))
-    if req.stream:
-        events = event_stream(stream, choices, fmt.head(choices), fmt.chunks, fmt.tail(choices))
-        return EventStreamResponse(events, stream)
-    finals = await ctx.collect(stream, raw)
-    if finals is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    raise_for_errors(finals)
-    for c in choices:
-        c.final = finals[c.request_id]
-    return JSONResponse(fmt.body(choices), headers=chain_headers(stream))
+    head = fmt.head(choices) if req.stream else []
+    return await respond(ctx, raw, stream, choices, fmt, head, req.stream)
 
 
 async def _apply_template(

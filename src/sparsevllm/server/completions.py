@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.server.errors import bad_request
@@ -15,14 +15,11 @@ from sparsevllm.server.formatting import Choice, PromptInput, completion_logprob
 from sparsevllm.server.protocol import CompletionRequest, check_context_length
 from sparsevllm.server.serving import (
     ChainFields,
-    EventStreamResponse,
     ServingContext,
-    chain_headers,
-    event_stream,
     fan_out,
     finish_reason,
-    raise_for_errors,
     resolve_chain_id,
+    respond,
 )
 
 
@@ -46,16 +43,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             if p.text is None:
                 p.text = await ctx.decode(p.token_ids)
     fmt = _Formatter(ctx, req, request_id, prompts, ChainFields.of(stream))
-    if req.stream:
-        events = event_stream(stream, choices, [], fmt.chunks, fmt.tail(choices))
-        return EventStreamResponse(events, stream)
-    finals = await ctx.collect(stream, raw)
-    if finals is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    raise_for_errors(finals)
-    for c in choices:
-        c.final = finals[c.request_id]
-    return JSONResponse(fmt.body(choices), headers=chain_headers(stream))
+    return await respond(ctx, raw, stream, choices, fmt, [], req.stream)
 
 
 async def _tokenize_prompts(

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from sparsevllm.outputs import RequestOutput
@@ -311,3 +311,26 @@ async def event_stream(
         if not stream.done:
             logger.info("stream ended early: aborting %s", ", ".join(sorted(stream.unfinished)))
         stream.abort()
+
+
+async def respond(
+    ctx: ServingContext,
+    raw: Request,
+    stream: RequestStream,
+    choices: list[Any],
+    fmt: Any,
+    head: list[Any],
+    streaming: bool,
+) -> Response:
+    """The response of a submitted request: an SSE stream, or one JSON body once every
+    choice finished (`fmt` formats chunks, the tail and the body of its endpoint)."""
+    if streaming:
+        events = event_stream(stream, choices, head, fmt.chunks, fmt.tail(choices))
+        return EventStreamResponse(events, stream)
+    finals = await ctx.collect(stream, raw)
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    raise_for_errors(finals)
+    for c in choices:
+        c.final = finals[c.request_id]
+    return JSONResponse(fmt.body(choices), headers=chain_headers(stream))
