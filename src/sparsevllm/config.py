@@ -47,6 +47,8 @@ FIELD_HELP: dict[str, str] = {
     "eviction methods, the chain cache (default: on).",
     "prefix_cache_mode": "auto (by the registry), radix (dense/logical methods) or chain "
     "(eviction methods continue a conversation from their resident state).",
+    "cpu_offload_gb": "Chain cache: host memory (GiB) that idle chains move to under pressure "
+    "instead of being dropped; restored bit-exactly on the next turn (0: off).",
     "sink_keep_tokens": "Sparse methods: first tokens always kept (attention sinks).",
     "recent_keep_tokens": "Sparse methods: most recent tokens always kept.",
     "decode_keep_tokens": "Sparse methods: KV budget per layer (tokens kept or read), "
@@ -101,6 +103,7 @@ class EngineConfig:
     long_prefill_offload_threshold: int = 65536
     enable_prefix_caching: bool | None = None
     prefix_cache_mode: str = "auto"
+    cpu_offload_gb: float = 0.0
     sink_keep_tokens: int = 4
     recent_keep_tokens: int = 32
     decode_keep_tokens: int = 2048
@@ -159,6 +162,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         if self.h2o_decode_budget is not None:
             _check_positive_int("h2o_decode_budget", self.h2o_decode_budget)
+        _check_type("cpu_offload_gb", self.cpu_offload_gb, (int, float))
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
         _check_type("pyramidkv_beta", self.pyramidkv_beta, (int, float))
         if self.pyramidkv_beta < 1:
             raise ValueError(f"pyramidkv_beta must be >= 1, got {self.pyramidkv_beta}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.engine.chain_cache import ChainBusyError
@@ -117,3 +118,51 @@ def test_prefix_cache_mode_checks(model):
     llm = LLM(model, sparse_method="snapkv", enable_prefix_caching=False)
     out, _ = run_one(llm.engine, TURN1)
     assert out.chain_id is None and llm.stats()["num_idle_chains"] == 0
+
+
+def test_cpu_offload_restores_identical_kv_and_output(model):
+    """Under pressure an idle chain moves to the CPU tier and comes back bit-exactly."""
+    kw = dict(
+        sparse_method="snapkv",
+        decode_keep_tokens=64,
+        recent_keep_tokens=8,
+        num_kv_slots=300,
+        chunk_prefill_size=256,
+    )
+    first = [1] + [(5 * i) % 240 + 3 for i in range(200)]
+
+    def turn_two(llm, pressure: bool):
+        engine = llm.engine
+        out, _ = run_one(engine, first, chain_id="keep")
+        owner = engine.chains.chains["keep"].owner
+        saved = [(k[t].clone(), v[t].clone()) for k, v, t in _views(engine, owner)]
+        if pressure:  # other conversations need the room
+            for j in range(3):
+                run_one(engine, [2] + [(7 * i + j) % 240 + 3 for i in range(200)])
+            assert engine.chains.chains["keep"].offloaded
+            assert not engine.pool.has(owner)
+        follow = first + out.token_ids + [9, 8, 7]
+        rid = engine.add_request(follow, GREEDY, chain_id="keep")
+        restored = [(k[t], v[t]) for k, v, t in _views(engine, owner)]
+        for (k0, v0), (k1, v1) in zip(saved, restored):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        result = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id == rid and o.finished:
+                    result = o
+        return result
+
+    calm = turn_two(LLM(model, **kw, cpu_offload_gb=0.0), pressure=False)
+    llm = LLM(model, **kw, cpu_offload_gb=0.5)
+    squeezed = turn_two(llm, pressure=True)
+    assert squeezed.chain_status == "continued (restored from CPU)"
+    assert squeezed.token_ids == calm.token_ids
+    assert llm.engine.offload.num_offloaded >= 1 and llm.engine.offload.num_restored == 1
+
+
+def _views(engine, owner):
+    runner, pool = engine.runner, engine.pool
+    for layer in range(runner.num_layers):
+        table = torch.tensor(pool.table(owner, pool.group_of_layer[layer]))
+        yield runner.k_cache[layer], runner.v_cache[layer], table

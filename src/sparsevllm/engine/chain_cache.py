@@ -28,11 +28,21 @@ class Chain:
     resident: int  # slots it holds (fullest layer group): what dropping it frees
     busy: bool = False
     last_used: int = 0
+    offloaded: bool = False  # its KV lives in the CPU tier; no slots held
 
 
 class ChainCache:
-    def __init__(self, on_drop: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        on_drop: Callable[[int], None],
+        offload: Callable[[int], bool] | None = None,
+        restore: Callable[[int], bool] | None = None,
+    ) -> None:
+        """`offload(owner)` moves a chain's KV to the CPU tier (False: no room) and
+        `restore(owner)` brings it back (False: the pool has no room)."""
         self.on_drop = on_drop
+        self.offload = offload
+        self.restore = restore
         self.chains: dict[str, Chain] = {}
         self._clock = itertools.count(1)
         self._ids = itertools.count(1)
@@ -65,9 +75,17 @@ class ChainCache:
                     f"diverged: the request differs from chain {chain_id!r} at token {at} "
                     f"of {len(chain.tokens)}; the chain was dropped and the request starts fresh"
                 )
+        if chain.offloaded:
+            if not self.restore(chain.owner):
+                self.drop(chain)
+                return None, "dropped: no room to restore the offloaded chain"
+            chain.offloaded = False
+            status = "continued (restored from CPU)"
+        else:
+            status = "continued"
         chain.busy = True
         chain.last_used = next(self._clock)
-        return chain, "continued"
+        return chain, status
 
     def _longest_idle_prefix(self, tokens: list[int]) -> Chain | None:
         best = None
@@ -100,16 +118,22 @@ class ChainCache:
     # -- memory pressure ----------------------------------------------------------------
     @property
     def reclaimable_slots(self) -> int:
-        return sum(c.resident for c in self.chains.values() if not c.busy)
+        return sum(c.resident for c in self.chains.values() if not (c.busy or c.offloaded))
 
     def make_room(self, n: int) -> None:
         """Drop idle chains, least recently used first, until `n` slots were freed."""
         freed = 0
-        idle = sorted((c for c in self.chains.values() if not c.busy), key=lambda c: c.last_used)
+        idle = sorted(
+            (c for c in self.chains.values() if not (c.busy or c.offloaded)),
+            key=lambda c: c.last_used,
+        )
         for chain in idle:
             if freed >= n:
                 break
-            self.drop(chain)
+            if self.offload is not None and self.offload(chain.owner):
+                chain.offloaded = True
+            else:
+                self.drop(chain)
             freed += chain.resident
 
     def listing(self) -> list[dict[str, object]]:
@@ -117,8 +141,9 @@ class ChainCache:
             {
                 "chain_id": c.chain_id,
                 "logical_tokens": len(c.tokens),
-                "resident_slots": c.resident,
+                "resident_slots": 0 if c.offloaded else c.resident,
                 "busy": c.busy,
+                "offloaded": c.offloaded,
             }
             for c in self.chains.values()
         ]

@@ -13,6 +13,7 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.chain_cache import ChainCache
 from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.offload import CpuOffloadStore
 from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.runner import ModelRunner
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -46,12 +47,20 @@ class LLMEngine:
         self.runner.bind_pool(self.pool, 2 * config.max_num_seqs + 1, self.max_model_len)
         policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
         self.prefill_policy = policy
-        self.prefix_cache = self.chains = None
+        self.prefix_cache = self.chains = self.offload = None
         if config.enable_prefix_caching and config.prefix_cache_mode == "radix":
             self.prefix_cache = RadixCache(free_slots=self.pool.free_slots)
             self.pool.reclaimer = self.prefix_cache
         elif config.enable_prefix_caching:
-            self.chains = ChainCache(on_drop=self._drop_chain)
+            if config.cpu_offload_gb > 0:
+                r = self.runner
+                cap = int(config.cpu_offload_gb * 2**30)
+                self.offload = CpuOffloadStore(self.pool, r.k_cache, r.v_cache, cap)
+            self.chains = ChainCache(
+                on_drop=self._drop_chain,
+                offload=self.offload.offload if self.offload else None,
+                restore=self.offload.restore if self.offload else None,
+            )
             self.pool.reclaimer = self.chains
         self.scheduler = Scheduler(
             self.pool,
@@ -306,6 +315,8 @@ class LLMEngine:
     def _drop_chain(self, owner: int) -> None:
         """An idle chain is reclaimed or dropped: free its slots and method state."""
         self.pool.release(owner)
+        if self.offload is not None:
+            self.offload.drop(owner)
         self.runner.release(owner)
 
     # -- statistics ---------------------------------------------------------------------

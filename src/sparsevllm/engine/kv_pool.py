@@ -136,6 +136,16 @@ class KVPool:
             table.extend(slots)
         return new
 
+    def append_per_group(self, seq_id: int, counts: list[int]) -> None:
+        """Give a new view `counts[g]` slots in group g (restoring offloaded state)."""
+        if seq_id in self.tables:
+            raise RuntimeError(f"sequence {seq_id} already has slots")
+        if max(counts) > self.num_free and self.reclaimer is not None:
+            self.reclaimer.make_room(max(counts) - self.num_free)
+        if any(n > a.num_free for n, a in zip(counts, self._alloc)):
+            raise PoolExhausted(f"sequence {seq_id} needs {counts} slots")
+        self.tables[seq_id] = [a.allocate(n) for n, a in zip(counts, self._alloc)]
+
     def release(self, seq_id: int) -> None:
         """Free every slot `seq_id` owns (finish, abort or preemption); borrowed
         prefix slots stay with the cache."""
