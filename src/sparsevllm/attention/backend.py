@@ -100,8 +100,10 @@ class AttentionBackend(abc.ABC):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        ...
+        """`window` (sliding-window layers): a query at view entry p sees only the
+        entries p - window < j <= p, i.e. itself and the window - 1 before it."""
 
 
 # name -> "module:Class", imported lazily so CPU installs never import Triton.

@@ -22,6 +22,7 @@ class TorchRefBackend(AttentionBackend):
         v: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         group = batch.group_of_layer[layer]
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
@@ -31,20 +32,25 @@ class TorchRefBackend(AttentionBackend):
         out = torch.empty_like(q)
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
             view = batch.view(group, i)
+            rows = batch.wants_scores(layer, i)
+            if window is not None and not rows:
+                # Nothing older than the first query's window is read: skip gathering it.
+                view = view[-(n - 1 + window) :]
             q_i = q[start : start + n]
             selected = None
-            if n == 1 and batch.select_view is not None:
+            # A sliding-window layer reads exactly its window; a sparse method's
+            # selection (positions over the whole view) does not apply to it.
+            if n == 1 and batch.select_view is not None and window is None:
                 selected = batch.select_view(layer, i, q_i[0], batch)
             if selected is None:
                 k_i, v_i = k_cache[view], v_cache[view]
             else:
                 k_i, v_i = gather_selected(k_cache, v_cache, view, selected)
-            out[start : start + n] = attend(q_i, k_i, v_i, scale)
-            rows = batch.wants_scores(layer, i)
+            out[start : start + n] = attend(q_i, k_i, v_i, scale, window)
             if rows:
                 if selected is not None:
                     raise RuntimeError("scores over a selected view are not supported")
-                batch.put_scores(layer, i, attention_mass(q_i[-rows:], k_i, scale))
+                batch.put_scores(layer, i, attention_mass(q_i[-rows:], k_i, scale, window))
         return out
 
 
@@ -66,15 +72,28 @@ def gather_selected(
     return torch.cat([k_sel, k_cache[last]]), torch.cat([v_sel, v_cache[last]])
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
     """Causal GQA attention of the last `n` view entries' queries over the whole view.
 
     q: [n, Hq, D]; k, v: [L, Hkv, D] with the queries' own keys as the last n rows.
+    `window`: each query sees only itself and the `window - 1` view entries before it.
     """
-    n, length = q.shape[0], k.shape[0]
+    n = q.shape[0]
+    if window is not None:
+        # Keys older than the first query's window are invisible to every query: drop them
+        # so the work is O(n * (n + window)), not O(n * L).
+        keep = min(k.shape[0], n - 1 + window)
+        k, v = k[-keep:], v[-keep:]
+    length = k.shape[0]
     mask = None
-    if n > 1:
-        mask = causal_mask(n, length, q.device)
+    if n > 1:  # a single query sees every kept key
+        mask = causal_mask(n, length, q.device, window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.to(q.dtype).transpose(0, 1),
@@ -86,21 +105,34 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     return out.transpose(0, 1)
 
 
-def causal_mask(n: int, length: int, device: torch.device) -> torch.Tensor:
-    """`[n, L]` True where query i (the view's entry L - n + i) may see key j."""
-    rows = torch.arange(n, device=device).unsqueeze(1) + (length - n)
-    return torch.arange(length, device=device).unsqueeze(0) <= rows
+def causal_mask(
+    n: int, length: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """`[n, L]` True where query i (the view's entry L - n + i) may see key j.
+
+    With `window` (HF's sliding-window rule, `q - window < kv <= q`), key j is also
+    required to be among the query's last `window` entries, the query itself included.
+    """
+    rows = torch.arange(n, device=device).unsqueeze(1) + (length - n)  # [n, 1]
+    cols = torch.arange(length, device=device).unsqueeze(0)  # [1, L]
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
+    return mask
 
 
-def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_mass(
+    q: torch.Tensor, k: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Softmax attention of the view's last `r` queries, summed over them: `[Hq, L]`.
 
-    q: [r, Hq, D]; k: [L, Hkv, D]. Computed in float32.
+    q: [r, Hq, D]; k: [L, Hkv, D]. Computed in float32. Keys outside a sliding
+    `window` get zero mass.
     """
     r, hq, _ = q.shape
     hkv = k.shape[1]
     kk = k.float().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
     logits = torch.einsum("rhd,lhd->hrl", q.float(), kk) * scale  # [Hq, r, L]
-    mask = causal_mask(r, k.shape[0], q.device)
+    mask = causal_mask(r, k.shape[0], q.device, window)
     logits = logits.masked_fill(~mask, float("-inf"))
     return logits.softmax(dim=-1).sum(dim=1)

@@ -27,7 +27,10 @@ class TritonBackend(AttentionBackend):
         v: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:
+            raise NotImplementedError("sliding-window attention on CUDA is not implemented yet")
         group = batch.group_of_layer[layer]
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping[group])

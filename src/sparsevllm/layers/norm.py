@@ -1,4 +1,4 @@
-"""RMSNorm as used by Llama / Qwen (weight * normalised x, computed in float32)."""
+"""RMSNorm variants: Llama / Qwen (weight * normalised x) and Gemma (x * (1 + weight))."""
 
 from __future__ import annotations
 
@@ -17,3 +17,21 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: normalised x * (1 + weight), all in float32, then cast.
+
+    The weight is stored zero-centred (HF initialises it to zeros), and unlike
+    Llama the product is taken before the cast back to the input dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

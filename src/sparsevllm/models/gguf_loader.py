@@ -220,7 +220,42 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
     elif getattr(config, "head_dim", None) is None:  # e.g. Qwen2Config has no head_dim at all
         config.head_dim = config.hidden_size // config.num_attention_heads
     config.tie_word_embeddings = "output.weight" not in tensor_names
+    if arch == "gemma3":
+        _fix_gemma3_config(config, meta)
     return config
+
+
+# llama.cpp identifies Gemma-3-27B by its layer count and scales its attention by
+# 1/sqrt(hidden / heads) = 1/sqrt(168) instead of 1/sqrt(head_dim).
+_GEMMA3_27B_LAYERS = 62
+
+
+def _fix_gemma3_config(config: transformers.PretrainedConfig, meta: dict[str, Any]) -> None:
+    """Fill in what transformers' GGUF parser leaves at Gemma3TextConfig defaults.
+
+    llama.cpp hard-codes for gemma3 what the HF config spells out: the sliding-window
+    pattern (every 6th layer global, as HF's default), the local RoPE base (10000,
+    unscaled, as HF's default) and the attention scale; and it stores the global
+    layers' RoPE scaling (linear x8 on 4B+) as ``gemma3.rope.scaling.*``, which the
+    parser drops.
+    """
+    window = int(meta.get("gemma3.attention.sliding_window", 0) or 0)
+    if window <= 0:  # llama.cpp: no window key (or 0) means every layer is global
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+    scaling = meta.get("gemma3.rope.scaling.type")
+    if scaling == "linear":
+        linear = {"rope_type": "linear", "factor": float(meta["gemma3.rope.scaling.factor"])}
+        full = (getattr(config, "rope_parameters", None) or {}).get("full_attention")
+        if full is not None:  # transformers 5: one dict per layer type
+            full.update(linear)
+        else:  # transformers 4: rope_scaling applies to the global layers only
+            config.rope_scaling = linear
+    elif scaling not in (None, "none"):
+        raise ValueError(f"unsupported gemma3 rope scaling {scaling!r} in GGUF metadata")
+    # Elsewhere llama.cpp uses head_dim, which is 256 (transformers' default) on every
+    # released Gemma 3 but the 27B (head_dim 128, scalar 168), so only that one is set.
+    if config.num_hidden_layers == _GEMMA3_27B_LAYERS:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
 
 
 def _metadata_int(reader: gguf.GGUFReader, key: str) -> int:

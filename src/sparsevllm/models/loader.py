@@ -58,7 +58,12 @@ def load_model_source(model: str | None, tokenizer: str | None, load_format: str
         if not os.path.exists(os.path.join(config_dir, "config.json")):
             raise FileNotFoundError(f"{config_dir!r} has no config.json")
         hf_config = AutoConfig.from_pretrained(config_dir)
-    model_class_for(hf_config)  # fail early on unsupported architectures
+    # Fails early on unsupported architectures. A model class may narrow the config to
+    # the part it runs (multimodal Gemma 3 -> its text config) before the engine sizes
+    # the KV pool from it.
+    adapt = getattr(model_class_for(hf_config), "adapt_config", None)
+    if adapt is not None:
+        hf_config = adapt(hf_config)
     tok = _load_tokenizer(tokenizer or model)
     return ModelSource(model, fmt, hf_config, tok, _eos_ids(model, hf_config, tok))
 
@@ -116,7 +121,9 @@ def build_model(
     if source.load_format == "dummy":
         _init_dummy(model, seed)
     else:
-        load_weights(model, _state_dict(source))
+        state = _state_dict(source)
+        remap = getattr(model, "remap_checkpoint", None)  # e.g. multimodal Gemma 3 names
+        load_weights(model, remap(state) if remap is not None else state)
     return model.eval()
 
 

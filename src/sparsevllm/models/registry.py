@@ -12,11 +12,16 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "sparsevllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "sparsevllm.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "sparsevllm.models.qwen3:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "sparsevllm.models.gemma3:Gemma3ForCausalLM",
+    # Multimodal Gemma 3 checkpoints (4B and up): only the language model is run.
+    "Gemma3ForConditionalGeneration": "sparsevllm.models.gemma3:Gemma3ForCausalLM",
 }
 _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 
