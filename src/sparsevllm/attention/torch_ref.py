@@ -90,19 +90,25 @@ def attend(
         # so the work is O(n * (n + window)), not O(n * L).
         keep = min(k.shape[0], n - 1 + window)
         k, v = k[-keep:], v[-keep:]
-    length = k.shape[0]
-    mask = None
-    if n > 1:  # a single query sees every kept key
-        mask = causal_mask(n, length, q.device, window)
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    kt = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    vt = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
+    if n == 1:
+        # A single query sees every kept key, so the G query heads of a KV head can be
+        # folded into the query axis: one [G, L] product per KV head, no GQA expansion.
+        qf = q.reshape(hkv, hq // hkv, d).unsqueeze(0)  # [1, Hkv, G, D]
+        out = F.scaled_dot_product_attention(qf, kt, vt, scale=scale)
+        return out.reshape(1, hq, d)
+    mask = causal_mask(n, k.shape[0], q.device, window)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.to(q.dtype).transpose(0, 1),
-        v.to(q.dtype).transpose(0, 1),
+        q.transpose(0, 1).unsqueeze(0),  # [1, Hq, n, D]: 4-D inputs take SDPA's fast path
+        kt,
+        vt,
         attn_mask=mask,
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        enable_gqa=hq != hkv,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def causal_mask(
