@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import numbers
 from collections.abc import Mapping
@@ -137,12 +136,9 @@ class SamplingParams:
         valid field name suggested, because a misspelt ``temprature`` would
         otherwise quietly sample at the default temperature.
         """
-        valid = [f.name for f in dataclasses.fields(cls)]
-        for key in d:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"unknown sampling parameter {key!r}{hint}")
+        from sparsevllm.config import check_keys
+
+        check_keys(d, [f.name for f in dataclasses.fields(cls)], what="sampling parameter")
         return cls(**dict(d))
 
 
