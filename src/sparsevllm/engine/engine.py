@@ -79,6 +79,7 @@ class LLMEngine:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._emitted: dict[int, int] = {}
         self._by_request: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
         self.num_generated_tokens = 0
 
     def _resolve_max_model_len(self) -> int:
@@ -170,6 +171,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.finish(seq, "abort")
+        self._aborted.append(seq)
         self.runner.release(seq.seq_id, keep_generator=True)  # its table row, at once
         return True
 
@@ -202,8 +204,9 @@ class LLMEngine:
         for seq in sched.preempted:
             self.runner.release(seq.seq_id, keep_generator=True)  # recompute from scratch
         touched: list[Sequence] = list(sched.failed)
-        aborted = [s for s in self._by_request.values() if s.is_finished and s not in sched.failed]
-        touched.extend(aborted)
+        # Aborted since the last step: reported once, without scanning every request.
+        touched.extend(self._aborted)
+        self._aborted.clear()
         if not sched.is_empty:
             now = time.perf_counter()
             for s in sched.scheduled:
