@@ -7,6 +7,7 @@ import torch
 
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.engine.chain_cache import ChainBusyError
+from tiny_gemma3 import save_tiny_gemma3
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 TURN1 = [1] + [(11 * i) % 240 + 3 for i in range(60)]
@@ -34,9 +35,13 @@ def conversation(engine, chain_id=None):
     return turns
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_factory):
-    return tiny_model_factory("llama4")
+@pytest.fixture(scope="module", params=["llama4", "gemma3"])
+def model(request, tiny_model_factory, tmp_path_factory):
+    # Gemma 3: sliding-window layers keep only their window in a pool group of their own;
+    # chains, reclaim and offload must carry that group along.
+    if request.param == "gemma3":
+        return save_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+    return tiny_model_factory(request.param)
 
 
 def test_large_budget_chain_equals_vanilla_recompute(model):

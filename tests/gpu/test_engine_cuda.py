@@ -89,3 +89,26 @@ def test_bf16_logits_close_to_transformers(model):
         ref = hf(torch.tensor([prompt])).logits[0]
     rel = (ours - ref).norm() / ref.norm()
     assert rel < 2e-2, rel
+
+
+GEMMA_CASES = {
+    "radix-full-history": {},
+    "window-group": {"enable_prefix_caching": False},
+    "snapkv": {"sparse_method": "snapkv", "decode_keep_tokens": 4096},
+    "quest": {"sparse_method": "quest", "decode_keep_tokens": 4096, "quest_chunk_size": 4},
+}
+
+
+@pytest.mark.parametrize("case", GEMMA_CASES.values(), ids=GEMMA_CASES.keys())
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_gemma3_sliding_windows_on_cuda(tmp_path, case, eager):
+    # Sliding layers on the Triton kernels: the window inside prefill chunks (chunk 5 <
+    # window 8 < prompt) and at decode, both with full history (radix) and trimmed views.
+    from tiny_gemma3 import save_tiny_gemma3
+
+    path = save_tiny_gemma3(tmp_path)
+    kwargs = dict(dtype="float32", chunk_prefill_size=5, **case)
+    cpu = LLM(path, device="cpu", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
+    gpu_llm = LLM(path, device="cuda", enforce_eager=eager, kv_cache_memory_gb=1, **kwargs)
+    gpu = gpu_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]

@@ -249,7 +249,7 @@ PREFILL_BASE = [(0, 1), (5, 7), (0, 63), (70, 64), (0, 65), (3, 130), (62, 66), 
 PREFILL_SEQS = PREFILL_BASE + ([(1000, 3000), (0, 4100)] if ON_GPU else [(1000, 40)])
 
 
-def run_prefill(dtype, heads, head_dim, seqs, **tiles):
+def run_prefill(dtype, heads, head_dim, seqs, window=None, **tiles):
     num_q_heads, num_kv_heads = heads
     lens = [p + n for p, n in seqs]
     k_cache, v_cache, table, rows, view_lens = make_pool(lens, num_kv_heads, head_dim, dtype, 11)
@@ -260,7 +260,18 @@ def run_prefill(dtype, heads, head_dim, seqs, **tiles):
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     prefill_attention(
-        q, k_cache, v_cache, table, rows, q_starts, view_lens, scale, out, max(q_lens), **tiles
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        q_starts,
+        view_lens,
+        scale,
+        out,
+        max(q_lens),
+        window=window,
+        **tiles,
     )
     assert torch.isfinite(out).all(), "output not fully written (NaN poison left)"
     kc, vc = k_cache.double(), v_cache.double()
@@ -268,11 +279,46 @@ def run_prefill(dtype, heads, head_dim, seqs, **tiles):
     for s, (start, n) in enumerate(zip(q_starts.tolist(), q_lens)):
         view = table[int(rows[s]), : lens[s]].long()
         ref[start : start + n] = torch_ref.attend(
-            q[start : start + n].double(), kc[view], vc[view], scale
+            q[start : start + n].double(), kc[view], vc[view], scale, window
         )
     assert rel_err(out, ref) < TOL[dtype]
     for start, n in zip(q_starts.tolist(), q_lens):  # every sequence, not just the batch norm
         assert rel_err(out[start : start + n], ref[start : start + n]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 100])
+@pytest.mark.parametrize("block_m,block_n", [(None, None), (32, 16)])
+def test_prefill_window(window, block_m, block_n):
+    # Sliding-window layers: windows below, at and above the tile size, chunks that start
+    # inside and past the window, and a tile mapping where whole tiles precede a window.
+    tiles = {} if block_m is None else dict(block_m=block_m, block_n=block_n, num_warps=4)
+    run_prefill(torch.float32, (8, 2), 64, PREFILL_BASE, window=window, **tiles)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 300])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_window(window, num_splits):
+    lens = [1, 7, 63, 64, 65, 1100]
+    k_cache, v_cache, table, rows, view_lens = make_pool(lens, 2, 64, torch.float32, 4)
+    q = torch.randn(len(lens), 8, 64, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        view_lens,
+        0.125,
+        out,
+        window=window,
+        num_splits=num_splits,
+    )
+    kc, vc = k_cache.double(), v_cache.double()
+    for s, n in enumerate(lens):
+        view = table[int(rows[s]), :n].long()[-window:]
+        ref = torch_ref.attend(q[s : s + 1].double(), kc[view], vc[view], 0.125)
+        assert rel_err(out[s : s + 1], ref) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,33 +17,12 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.attention.torch_ref import causal_mask
+from tiny_gemma3 import TINY_GEMMA3, WINDOW, randomize_norms, save_tiny_gemma3
 
-WINDOW = 8
-TINY_GEMMA3 = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    query_pre_attn_scalar=24,  # != head_dim, so a wrong scale shows
-    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    sliding_window=WINDOW,
-    rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
-    },
-    max_position_embeddings=2048,
-    initializer_range=0.1,  # spread logits so greedy choices are not near-ties
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 PROMPTS = [
     [1] + [(7 * i + 3) % 250 + 5 for i in range(39)],  # 40 tokens: five windows
     [1, 200, 3, 3, 41, 7, 88, 19, 250, 6, 77, 31, 4],
@@ -51,23 +30,6 @@ PROMPTS = [
     [1] + list(range(30, 60)),
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
-
-
-def _randomize_norms(model: torch.nn.Module) -> None:
-    # HF initialises Gemma norm weights to 0 (scale 1 + 0); random values make sure
-    # the (1 + w) form and every norm's placement matter.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-
-
-def save_tiny_gemma3(path: Path, seed: int = 0, **overrides: Any) -> str:
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY_GEMMA3, **overrides}))
-    _randomize_norms(model)
-    model.eval().save_pretrained(path)
-    return str(path)
 
 
 def hf_greedy_logprobs(
@@ -92,8 +54,8 @@ def hf_greedy_logprobs(
     return outs
 
 
-def assert_prefill_matches(path: str, hf: Any, prompts: list[list[int]]) -> None:
-    llm = LLM(path, dtype="float32")
+def assert_prefill_matches(path: str, hf: Any, prompts: list[list[int]], **kwargs: Any) -> None:
+    llm = LLM(path, dtype="float32", **kwargs)
     for prompt in prompts:
         ours = llm.prompt_logits(prompt)
         with torch.no_grad():
@@ -134,15 +96,36 @@ def test_sliding_window_layers(tiny_gemma3: str) -> None:
     assert model.sliding_window_layers() == [(0, WINDOW), (2, WINDOW)]
 
 
-def test_prefill_logits_match_transformers(tiny_gemma3: str, hf_tiny: Any) -> None:
-    assert_prefill_matches(tiny_gemma3, hf_tiny, PROMPTS)
+@pytest.mark.parametrize("caching", [True, False], ids=["full-history", "window-group"])
+def test_prefill_logits_match_transformers(tiny_gemma3: str, hf_tiny: Any, caching: bool) -> None:
+    assert_prefill_matches(tiny_gemma3, hf_tiny, PROMPTS, enable_prefix_caching=caching)
 
 
-@pytest.mark.parametrize(
-    "engine_kwargs",
-    [{}, {"chunk_prefill_size": 7}, {"chunk_prefill_size": 3}],
-    ids=["whole", "chunked7", "chunked3"],
-)
+BIG = 4096  # sparse budgets above every context: each method must equal full attention
+ENGINE_VARIANTS = {
+    # Radix prefix caching (vanilla's default) keeps sliding layers' full history.
+    "whole": {},
+    "chunked7": {"chunk_prefill_size": 7},
+    "chunked3": {"chunk_prefill_size": 3},
+    # Without it sliding layers keep only window - 1 tokens between steps.
+    "window-group": {"enable_prefix_caching": False},
+    "window-group-chunked7": {"enable_prefix_caching": False, "chunk_prefill_size": 7},
+    "window-group-chunked3": {"enable_prefix_caching": False, "chunk_prefill_size": 3},
+    "snapkv": {"sparse_method": "snapkv", "decode_keep_tokens": BIG, "chunk_prefill_size": 7},
+    "streamingllm": {
+        "sparse_method": "streamingllm",
+        "recent_keep_tokens": BIG,
+        "decode_keep_tokens": BIG + 4,
+    },
+    "pyramidkv": {"sparse_method": "pyramidkv", "decode_keep_tokens": BIG},
+    "h2o": {"sparse_method": "h2o", "h2o_decode_budget": BIG},
+    "tova": {"sparse_method": "tova", "decode_keep_tokens": BIG},
+    "quest": {"sparse_method": "quest", "decode_keep_tokens": BIG},
+    "omnikv": {"sparse_method": "omnikv", "decode_keep_tokens": BIG},
+}
+
+
+@pytest.mark.parametrize("engine_kwargs", ENGINE_VARIANTS.values(), ids=ENGINE_VARIANTS.keys())
 def test_greedy_batch_matches_transformers(
     tiny_gemma3: str, hf_reference: list[tuple[list[int], list[list[float]]]], engine_kwargs: dict
 ) -> None:
@@ -187,7 +170,7 @@ def test_multimodal_checkpoint_runs_its_language_model(tmp_path: Path) -> None:
         text_config=TINY_GEMMA3, vision_config=vision, mm_tokens_per_image=1
     )
     hf = transformers.Gemma3ForConditionalGeneration(cfg)
-    _randomize_norms(hf)
+    randomize_norms(hf)
     hf.eval().save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), dtype="float32")
     assert llm.engine.runner.model.config.model_type == "gemma3_text"

@@ -48,6 +48,9 @@ class FakeKV:
     def resident(self, seq: int, layer: int) -> int:
         return self.k[(seq, layer)].shape[0]
 
+    def group_of(self, layer: int) -> int:
+        return 0 if self.shared else layer
+
     def keys(self, seq: int, layer: int, start: int = 0, end: int | None = None):
         return self.k[(seq, layer)][start:end]
 

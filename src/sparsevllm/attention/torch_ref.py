@@ -32,14 +32,13 @@ class TorchRefBackend(AttentionBackend):
         out = torch.empty_like(q)
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
             view = batch.view(group, i)
-            rows = batch.wants_scores(layer, i)
-            if window is not None and not rows:
+            # Sparse methods leave sliding-window layers alone: no scores, no selection.
+            rows = batch.wants_scores(layer, i) if window is None else 0
+            if window is not None:
                 # Nothing older than the first query's window is read: skip gathering it.
                 view = view[-(n - 1 + window) :]
             q_i = q[start : start + n]
             selected = None
-            # A sliding-window layer reads exactly its window; a sparse method's
-            # selection (positions over the whole view) does not apply to it.
             if n == 1 and batch.select_view is not None and window is None:
                 selected = batch.select_view(layer, i, q_i[0], batch)
             if selected is None:

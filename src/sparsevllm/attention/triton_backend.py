@@ -4,7 +4,9 @@ Pure decode batches use the split-K decode kernel (capturable in a CUDA graph);
 batches with prefill chunks use the varlen prefill kernel. Sparse-method requests
 are served here too: decode scores come from the decode kernel's probability output,
 logical views become a per-KV-head index subset; prefill observation scores (once
-per prefill) use the reference computation on the gathered view.
+per prefill) use the reference computation on the gathered view. Sliding-window
+layers pass their window to both kernels; sparse methods leave them alone (no logical
+views, no scores).
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ class TritonBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        if window is not None:
-            raise NotImplementedError("sliding-window attention on CUDA is not implemented yet")
         group = batch.group_of_layer[layer]
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping[group])
@@ -38,8 +38,11 @@ class TritonBackend(AttentionBackend):
         table = batch.tables[group]
         lens = batch.view_lens_t[group]
         if batch.decode_only:
-            subset, subset_lens = self._subsets(layer, q, batch)
-            want = [batch.wants_scores(layer, i) for i in range(batch.num_seqs)]
+            subset = subset_lens = None
+            want = [0] * batch.num_seqs
+            if window is None:
+                subset, subset_lens = self._subsets(layer, q, batch)
+                want = [batch.wants_scores(layer, i) for i in range(batch.num_seqs)]
             scores = None
             if any(want):
                 # The kernel writes probabilities over the table width: [S, Hq, max_len].
@@ -60,6 +63,7 @@ class TritonBackend(AttentionBackend):
                 subset=subset,
                 subset_lens=subset_lens,
                 scores_out=scores,
+                window=window,
             )
             if scores is not None:
                 for i, w in enumerate(want):
@@ -77,8 +81,9 @@ class TritonBackend(AttentionBackend):
             scale,
             out,
             max_q_len=max(batch.q_lens),
+            window=window,
         )
-        for i in range(batch.num_seqs):
+        for i in range(batch.num_seqs if window is None else 0):
             rows = batch.wants_scores(layer, i)
             if rows:
                 start, n = batch.q_starts[i], batch.q_lens[i]

@@ -39,9 +39,8 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.runner = ModelRunner(config, self.source, self.max_model_len)
         self.method = self.runner.method
-        self.pool = KVPool(
-            self.runner.num_slots, self.runner.num_layers, self.method.layer_groups()
-        )
+        groups, window_groups = self.runner.pool_groups()
+        self.pool = KVPool(self.runner.num_slots, self.runner.num_layers, groups, window_groups)
         # Rows for every running sequence, plus room for rows not yet returned by
         # requests that ended mid-step and for prompt_logits().
         self.runner.bind_pool(self.pool, 2 * config.max_num_seqs + 1, self.max_model_len)

@@ -29,6 +29,9 @@ class RunnerKV:
     def _table(self, seq_id: int, layer: int) -> list[int]:
         return self.pool.table(seq_id, self.pool.group_of_layer[layer])
 
+    def group_of(self, layer: int) -> int:
+        return self.pool.group_of_layer[layer]
+
     def resident(self, seq_id: int, layer: int) -> int:
         return len(self._table(seq_id, layer))
 

@@ -8,9 +8,18 @@ slot table per sequence, so a dense method (every layer keeps every token) pays 
 one table, while a method that keeps different tokens per layer uses one group per
 layer. Each layer still owns its own K/V tensor of `num_slots` rows, so the slot id
 `s` of a group addresses row `s` of each of its layers' tensors.
+
+Sliding-window layers (Gemma 3's local layers) live in *window groups* after the main
+ones: a query there never reads further back than its window, so after every step
+`trim` cuts such a group's view to the newest `window - 1` entries and frees the rest.
+A window group has its own slot count, sized by the host so that the running batch
+always fits (`window_group_slots`); it never limits admission, and the counters that
+admission and reports use (`num_free`, `num_used`, `peak_used`) cover the main groups.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class PoolExhausted(RuntimeError):
@@ -49,23 +58,55 @@ class _GroupAllocator:
         self._free.extend(reversed(slots))
 
 
+@dataclass(frozen=True)
+class WindowGroup:
+    """Sliding-window layers sharing one window: each keeps its last `window - 1` tokens
+    between steps, in a group of its own `num_slots`."""
+
+    layers: list[int]
+    window: int
+    num_slots: int
+
+
+def window_group_slots(window: int, max_num_seqs: int, max_step_tokens: int) -> int:
+    """Slots a window group needs so the running batch always fits: every sequence
+    holds at most window - 1 between steps, and a step adds at most `max_step_tokens`."""
+    return max_num_seqs * (window - 1) + max_step_tokens
+
+
 class KVPool:
     """Slot allocator plus, per sequence and layer group, the ordered slot table."""
 
-    def __init__(self, num_slots: int, num_layers: int, layer_groups: list[list[int]]) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        layer_groups: list[list[int]],
+        window_groups: list[WindowGroup] | None = None,
+    ) -> None:
         if num_slots <= 0:
             raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
-        covered = sorted(layer for group in layer_groups for layer in group)
+        window_groups = window_groups or []
+        all_groups = [list(g) for g in layer_groups] + [list(w.layers) for w in window_groups]
+        covered = sorted(layer for group in all_groups for layer in group)
         if covered != list(range(num_layers)):
-            raise ValueError(f"layer groups {layer_groups} must cover layers 0..{num_layers - 1}")
+            raise ValueError(f"layer groups {all_groups} must cover layers 0..{num_layers - 1}")
+        if any(w.window < 1 or w.num_slots < 1 for w in window_groups):
+            raise ValueError("a window group needs a window and slots >= 1")
         self.num_slots = num_slots
         self.num_layers = num_layers
-        self.layer_groups = [list(g) for g in layer_groups]
+        self.layer_groups = all_groups
+        self.num_main_groups = len(layer_groups)
+        # group index -> window, for the window groups (after the main groups)
+        self.windows = {len(layer_groups) + i: w.window for i, w in enumerate(window_groups)}
         self.group_of_layer = [0] * num_layers
-        for gi, group in enumerate(layer_groups):
+        for gi, group in enumerate(all_groups):
             for layer in group:
                 self.group_of_layer[layer] = gi
-        self._alloc = [_GroupAllocator(num_slots) for _ in layer_groups]
+        self._alloc = [_GroupAllocator(num_slots) for _ in layer_groups] + [
+            _GroupAllocator(w.num_slots) for w in window_groups
+        ]
+        self._main = self._alloc[: self.num_main_groups]
         # seq_id -> per-group ordered slot list (the sequence's physical view).
         self.tables: dict[int, list[list[int]]] = {}
         # Prefix caching (one group only): leading slots a sequence borrows from the
@@ -83,15 +124,15 @@ class KVPool:
     @property
     def num_free(self) -> int:
         """Free slots of the fullest group: what a new token can count on in every layer."""
-        return min(a.num_free for a in self._alloc)
+        return min(a.num_free for a in self._main)
 
     @property
     def num_used(self) -> int:
-        return max(a.num_used for a in self._alloc)
+        return max(a.num_used for a in self._main)
 
     @property
     def peak_used(self) -> int:
-        return max(a.peak_used for a in self._alloc)
+        return max(a.peak_used for a in self._main)
 
     def used_per_layer(self) -> list[int]:
         return [
@@ -113,6 +154,10 @@ class KVPool:
         tables = self.tables.get(seq_id)
         return len(tables[group]) if tables else 0
 
+    def resident(self, seq_id: int) -> int:
+        """Most slots `seq_id` holds in any main group (what it costs admission)."""
+        return max(self.num_resident(seq_id, g) for g in range(self.num_main_groups))
+
     @property
     def num_available(self) -> int:
         """Free slots plus cached slots that could be evicted for new work."""
@@ -130,6 +175,7 @@ class KVPool:
             self.reclaimer.make_room(n - self.num_free)
         if n > self.num_free:
             raise PoolExhausted(f"sequence {seq_id} needs {n} slots, {self.num_free} free")
+        self._window_room(seq_id, [n] * self.num_groups)
         tables = self.tables.setdefault(seq_id, [[] for _ in self.layer_groups])
         new = [a.allocate(n) for a in self._alloc]
         for table, slots in zip(tables, new):
@@ -140,11 +186,42 @@ class KVPool:
         """Give a new view `counts[g]` slots in group g (restoring offloaded state)."""
         if seq_id in self.tables:
             raise RuntimeError(f"sequence {seq_id} already has slots")
-        if max(counts) > self.num_free and self.reclaimer is not None:
-            self.reclaimer.make_room(max(counts) - self.num_free)
+        main = max(counts[: self.num_main_groups])
+        if main > self.num_free and self.reclaimer is not None:
+            self.reclaimer.make_room(main - self.num_free)
+        self._window_room(seq_id, counts)
         if any(n > a.num_free for n, a in zip(counts, self._alloc)):
             raise PoolExhausted(f"sequence {seq_id} needs {counts} slots")
         self.tables[seq_id] = [a.allocate(n) for n, a in zip(counts, self._alloc)]
+
+    def _window_room(self, seq_id: int, counts: list[int]) -> None:
+        """Make room in the window groups; only idle cached state can crowd them (the
+        running batch fits by their sizing), so reclaim it until the request fits."""
+        for g in self.windows:
+            alloc = self._alloc[g]
+            while counts[g] > alloc.num_free and self.reclaimer is not None:
+                if self.reclaimer.reclaimable_slots == 0:
+                    break
+                self.reclaimer.make_room(1)
+            if counts[g] > alloc.num_free:
+                raise PoolExhausted(
+                    f"sequence {seq_id} needs {counts[g]} slots in the sliding-window group "
+                    f"{g}, {alloc.num_free} free of {alloc.num_slots}"
+                )
+
+    def trim(self, seq_id: int) -> list[int]:
+        """Cut every window group's view of `seq_id` to its newest window - 1 entries,
+        freeing the rest; returns the groups whose view changed."""
+        tables = self.tables.get(seq_id)
+        changed = []
+        for g, window in self.windows.items():
+            table = tables[g] if tables else []
+            drop = len(table) - (window - 1)
+            if drop > 0:
+                self._alloc[g].free(table[:drop])
+                del table[:drop]
+                changed.append(g)
+        return changed
 
     def release(self, seq_id: int) -> None:
         """Free every slot `seq_id` owns (finish, abort or preemption); borrowed

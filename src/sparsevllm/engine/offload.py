@@ -64,7 +64,7 @@ class CpuOffloadStore:
     def restore(self, owner: int) -> bool:
         """Allocate slots and copy the rows back (in order); False if the pool is full."""
         counts, layers_kv = self._store[owner]
-        if not self.pool.can_append(max(counts)):
+        if not self.pool.can_append(max(counts[: self.pool.num_main_groups])):
             return False
         self.pool.append_per_group(owner, counts)
         for layer, (k, v) in enumerate(layers_kv):

@@ -10,7 +10,7 @@ from sparsevllm.attention.backend import ForwardBatch, default_backend_name, get
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.cuda_graph import DecodeGraphs
 from sparsevllm.engine.kv_access import RunnerKV
-from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.kv_pool import KVPool, WindowGroup, window_group_slots
 from sparsevllm.engine.scheduler import SchedulerOutput
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.layers.sampler import Sampler, SamplerOutput, make_generator
@@ -51,18 +51,35 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = head_dim_of(hf)
+        self.window_groups = self._window_groups(max_model_len)
+        windowed = {layer for w in self.window_groups for layer in w.layers}
         self.num_slots = self._decide_num_slots(max_model_len)
-        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
-        self.k_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
-        self.v_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+        self.k_cache, self.v_cache = [], []
+        for layer in range(self.num_layers):
+            rows = next((w.num_slots for w in self.window_groups if layer in w.layers), None)
+            shape = (rows or self.num_slots, self.num_kv_heads, self.head_dim)
+            self.k_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.v_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.backend = get_backend_class(default_backend_name(self.device))(
             self.k_cache, self.v_cache
         )
-        self.method = create_method(config, self.num_layers, self.num_kv_heads)
+        # Sparse methods manage the full-attention layers; sliding ones keep their window.
+        sliding = [layer for layer, _ in self._sliding_layers()]
+        managed = [layer for layer in range(self.num_layers) if layer not in sliding]
+        self.method = create_method(
+            config, self.num_layers, self.num_kv_heads, managed if sliding else None
+        )
+        if windowed:
+            logger.info(
+                "sliding-window layers %s keep their last window - 1 tokens (%s slots)",
+                sorted(windowed),
+                ", ".join(str(w.num_slots) for w in self.window_groups),
+            )
+        elif sliding:
+            logger.info(
+                "radix prefix caching: sliding-window layers keep full history so cached "
+                "prefixes stay reusable (disable prefix caching to keep only their window)"
+            )
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator | None] = {}
         logger.info(
@@ -77,8 +94,46 @@ class ModelRunner:
     @property
     def kv_bytes_per_slot(self) -> int:
         """Bytes of one token's K and V over all layers."""
+        return self.num_layers * self._layer_bytes_per_slot
+
+    @property
+    def _layer_bytes_per_slot(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_kv_heads * self.head_dim * elem
+
+    def _sliding_layers(self) -> list[tuple[int, int]]:
+        """(layer, window) of the model's sliding-window layers."""
+        fn = getattr(self.model, "sliding_window_layers", None)
+        return list(fn()) if fn is not None else []
+
+    def _window_groups(self, max_model_len: int) -> list[WindowGroup]:
+        """Window groups for the sliding layers, or none when they must keep everything:
+        the radix prefix cache shares whole prefixes, whose sliding-layer KV would be
+        gone (those layers then join the main group and read through their window)."""
+        cfg = self.config
+        if cfg.enable_prefix_caching and cfg.prefix_cache_mode == "radix":
+            return []
+        by_window: dict[int, list[int]] = {}
+        for layer, window in self._sliding_layers():
+            by_window.setdefault(window, []).append(layer)
+        # One step adds at most max_num_batched_tokens, or a whole prompt for
+        # prompt_logits, to a window group.
+        step = max(cfg.max_num_batched_tokens, max_model_len)
+        return [
+            WindowGroup(layers, w, window_group_slots(w, cfg.max_num_seqs, step))
+            for w, layers in sorted(by_window.items())
+        ]
+
+    def pool_groups(self) -> tuple[list[list[int]], list[WindowGroup]]:
+        """The KV pool's layout: the method's groups (plus, under radix caching, the
+        sliding layers in its single group) and the window groups."""
+        groups = self.method.layer_groups()
+        extra = [layer for layer, _ in self._sliding_layers()]
+        if extra and not self.window_groups:
+            if len(groups) != 1:
+                raise ValueError("radix prefix caching needs a single layer group")
+            groups = [sorted(groups[0] + extra)]
+        return groups, self.window_groups
 
     def _decide_num_slots(self, max_model_len: int) -> int:
         cfg = self.config
@@ -100,7 +155,12 @@ class ModelRunner:
                 _CPU_DEFAULT_KV_GB * 2**30,
                 cfg.max_num_seqs * max_model_len * self.kv_bytes_per_slot,
             )
-        slots = int(budget // self.kv_bytes_per_slot)
+        # Window groups have fixed sizes; the main layers share what is left.
+        window_bytes = sum(
+            w.num_slots * len(w.layers) * self._layer_bytes_per_slot for w in self.window_groups
+        )
+        main_layers = self.num_layers - sum(len(w.layers) for w in self.window_groups)
+        slots = int((budget - window_bytes) // (max(main_layers, 1) * self._layer_bytes_per_slot))
         if slots < 1:
             raise ValueError(
                 "no memory left for the KV pool; lower the model size or raise the budget"
@@ -148,6 +208,7 @@ class ModelRunner:
             hidden = self.model(input_ids, batch)  # [T, hidden]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
         self.method.after_step(steps, batch.scores, batch.kv)
+        self._trim_windows(steps)
         sampled = [s for s in sched.scheduled if s.samples]
         if not sampled:
             return None
@@ -163,8 +224,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput, pool: KVPool) -> torch.Tensor:
         """Logits at every scheduled position, `[T, vocab]` (teacher forcing, no sampling)."""
-        batch, input_ids, _ = self._prepare(sched, pool)
-        return self.model.compute_logits(self.model(input_ids, batch)).float()
+        batch, input_ids, steps = self._prepare(sched, pool)
+        logits = self.model.compute_logits(self.model(input_ids, batch)).float()
+        self._trim_windows(steps)
+        return logits
+
+    def _trim_windows(self, steps: list[SeqStep]) -> None:
+        """Drop what sliding-window layers will never read again (see KVPool.trim)."""
+        for step in steps:
+            for group in self.pool.trim(step.seq_id):
+                self.tables.invalidate(step.seq_id, group)
 
     def _use_graph(self, batch: ForwardBatch) -> bool:
         """Replay a captured graph when nothing in the step needs the host mid-forward."""

@@ -113,9 +113,7 @@ class Scheduler:
         if self.prefix_cache is not None and done:
             self._cache_finished(seq)
         elif self.chain_cache is not None and done:
-            resident = max(
-                self.pool.num_resident(seq.seq_id, g) for g in range(self.pool.num_groups)
-            )
+            resident = self.pool.resident(seq.seq_id)
             tokens = seq.token_slice(0, seq.num_computed_tokens)
             self.chain_cache.park(seq.chain_id, seq.seq_id, tokens, resident)
             seq.parked = True

@@ -66,6 +66,12 @@ class DeviceSlotTables:
             self.table[group, row, : len(view)] = _upload(view, torch.int32, self.device)
         self._synced[seq_id][group] = len(view)
 
+    def invalidate(self, seq_id: int, group: int) -> None:
+        """The pool rewrote a view (a sliding-window trim): upload all of it next sync,
+        in the same scatter as the other sequences' new entries."""
+        if seq_id in self._synced:
+            self._synced[seq_id][group] = 0
+
     def release(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
         if row is not None:

@@ -2,8 +2,11 @@
 
 The host (runner, scheduler) asks a method what it needs and never which method it is:
 
-- `layer_groups`: which layers share one slot table (dense storage: one group;
-  per-layer or per-head eviction: one group per layer).
+- `layers`: the layers the method manages (every layer, except that sliding-window
+  layers are left to their window: they never appear in the method's groups, scores
+  or selections).
+- `layer_groups`: which managed layers share one slot table (dense storage: one
+  group; per-layer or per-head eviction: one group per layer).
 - `max_resident`: worst-case resident slots per layer of a request, for admission.
 - `score_rows`: how many of a sequence's newest query rows should report their
   attention probabilities this step (observation windows, H2O, TOVA, OmniKV).
@@ -18,6 +21,7 @@ A score-based eviction method subclasses `ScoreEviction` and writes one `score(.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -60,6 +64,10 @@ class KVAccess(Protocol):
 
     def resident(self, seq_id: int, layer: int) -> int: ...
 
+    def group_of(self, layer: int) -> int:
+        """The pool group that holds `layer`."""
+        ...
+
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """K of view positions [start, end) at `layer`: `[n, num_kv_heads, head_dim]`."""
         ...
@@ -87,16 +95,28 @@ class SparseMethod:
     uses_decode_view: ClassVar[bool] = False
     score_layers: frozenset[int] | None = None  # None: every layer reports scores
 
-    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_layers: int,
+        num_kv_heads: int,
+        layers: Sequence[int] | None = None,
+    ) -> None:
         self.config = config
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
+        # The managed layers, ascending (sliding-window layers excluded by the host).
+        self.layers: tuple[int, ...] = tuple(range(num_layers) if layers is None else layers)
+        if not self.layers:
+            raise ValueError("a sparse method needs at least one managed layer")
+        if len(self.layers) < num_layers:
+            self.score_layers = frozenset(self.layers)
 
     # -- declarations the host asks about ---------------------------------------------
     def layer_groups(self) -> list[list[int]]:
         if self.per_layer_groups:
-            return [[layer] for layer in range(self.num_layers)]
-        return [list(range(self.num_layers))]
+            return [[layer] for layer in self.layers]
+        return [list(self.layers)]
 
     def max_resident(self, prompt_len: int, max_tokens: int) -> int:
         """Worst-case resident slots per layer over the request's life."""
@@ -181,11 +201,11 @@ class ScoreEviction(SparseMethod):
 
     def max_resident(self, prompt_len: int, max_tokens: int) -> int:
         # The whole prompt is resident until prefill ends; then budget + generated tokens.
-        budget = max(self.layer_budget(layer) for layer in range(self.num_layers))
+        budget = max(self.layer_budget(layer) for layer in self.layers)
         return max(prompt_len, min(prompt_len, budget) + max_tokens)
 
     def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
-        budget = max(self.layer_budget(layer) for layer in range(self.num_layers))
+        budget = max(self.layer_budget(layer) for layer in self.layers)
         return min(prompt_len, budget) + max_tokens
 
     def score(
@@ -196,7 +216,7 @@ class ScoreEviction(SparseMethod):
 
     def after_step(self, steps, scores, kv):  # noqa: D102 (documented on the base)
         for step in steps:
-            for layer in range(self.num_layers):
+            for layer in self.layers:
                 resident = kv.resident(step.seq_id, layer)
                 if not self.should_compress(step, resident, layer):
                     continue

@@ -19,13 +19,15 @@ class OmniKV(SparseMethod):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        n = self.num_layers
+        managed = self.layers  # sliding-window layers are not OmniKV's
+        n = len(managed)
         layers = self.config.full_attention_layers
         if layers is None:
-            layers = sorted({0, n // 4, n // 2, 3 * n // 4})
-        if 0 not in layers or max(layers) >= n:
+            layers = sorted({managed[i] for i in (0, n // 4, n // 2, 3 * n // 4)})
+        if managed[0] not in layers or not set(layers) <= set(managed):
             raise ValueError(
-                f"full_attention_layers must include layer 0 and lie in [0, {n}), got {layers}"
+                f"full_attention_layers must include layer {managed[0]} and lie in the "
+                f"full-attention layers {list(managed)}, got {layers}"
             )
         self.full_layers = tuple(layers)
         self.score_layers = frozenset(layers)

@@ -18,12 +18,14 @@ class PyramidKV(SnapKV):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         c = self.config
-        self.budgets = pyramid_budgets(
+        # The pyramid runs over the managed layers (sliding-window layers keep their window).
+        budgets = pyramid_budgets(
             c.decode_keep_tokens,
-            self.num_layers,
+            len(self.layers),
             c.pyramidkv_beta,
             c.sink_keep_tokens + c.recent_keep_tokens + 1,
         )
+        self.budgets = dict(zip(self.layers, budgets))
 
     def layer_budget(self, layer: int) -> int:
         return self.budgets[layer]

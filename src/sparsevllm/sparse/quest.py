@@ -5,7 +5,8 @@ element-wise min and max of its keys per KV head. A decode query scores a page b
 the upper bound of q.k over the page, sum over d of max(q_d * max_d, q_d * min_d),
 summed over the query heads of each KV head, and reads only the best pages within
 `decode_keep_tokens` (the newest, partly filled page always included). The first
-`quest_skip_layers` layers and all prefill stay dense; storage is never touched.
+`quest_skip_layers` (full-attention) layers and all prefill stay dense; storage is
+never touched.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ class Quest(SparseMethod):
         super().__init__(*args, **kwargs)
         # (seq_id, layer) -> (page_min, page_max), each [P, Hkv, D], full pages only
         self._pages: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dense_layers = frozenset(self.layers[: self.config.quest_skip_layers])
 
     def select_view(self, layer, row, q, batch):
         step = batch.steps[row]
-        if layer < self.config.quest_skip_layers or not step.is_decode:
+        if layer in self._dense_layers or not step.is_decode:
             return None
         size, budget = self.config.quest_chunk_size, self.config.decode_keep_tokens
         context = batch.kv.resident(step.seq_id, layer) - 1  # the new token is read anyway

@@ -164,9 +164,15 @@ def resolve_prefill_policy(method: str, explicit: str | None) -> str:
     return explicit
 
 
-def create_method(config: EngineConfig, num_layers: int, num_kv_heads: int) -> SparseMethod:
+def create_method(
+    config: EngineConfig,
+    num_layers: int,
+    num_kv_heads: int,
+    layers: list[int] | None = None,
+) -> SparseMethod:
+    """Instantiate the configured method over `layers` (default: every layer)."""
     module, cls = method_spec(config.sparse_method).target.split(":")
-    return getattr(importlib.import_module(module), cls)(config, num_layers, num_kv_heads)
+    return getattr(importlib.import_module(module), cls)(config, num_layers, num_kv_heads, layers)
 
 
 def methods_table() -> list[dict[str, object]]:

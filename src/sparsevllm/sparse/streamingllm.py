@@ -26,10 +26,11 @@ class StreamingLLM(SparseMethod):
 
     def after_step(self, steps: list[SeqStep], scores, kv: KVAccess) -> None:
         sink, recent = self.config.sink_keep_tokens, self.config.recent_keep_tokens
+        layer = self.layers[0]  # one group holds every managed layer
         for step in steps:
-            length = kv.resident(step.seq_id, 0)
+            length = kv.resident(step.seq_id, layer)
             if length > sink + recent:
-                kv.keep(step.seq_id, 0, streaming_keep(length, sink, recent))
+                kv.keep(step.seq_id, kv.group_of(layer), streaming_keep(length, sink, recent))
 
 
 def streaming_keep(length: int, sink: int, recent: int) -> list[int]:

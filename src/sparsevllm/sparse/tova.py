@@ -32,7 +32,7 @@ class TOVA(SparseMethod):
                 attn = rows[step.row]  # [num_heads, L]
                 if attn is None or attn.shape[-1] <= budget:
                     continue
-                kv.keep(step.seq_id, layer, tova_keep(attn, budget))
+                kv.keep(step.seq_id, kv.group_of(layer), tova_keep(attn, budget))
 
 
 def tova_keep(attn, budget: int) -> list[int]:

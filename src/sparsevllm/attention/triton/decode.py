@@ -9,6 +9,7 @@ own token). Work is split three ways: sequence x KV head x split of the view.
 * Split-K: each sequence's (effective) view is cut into `num_splits` equal parts; each
   part writes its partial (max, sum, acc) to an fp32 workspace and a second kernel
   merges them. With one split the first kernel writes the output directly.
+* Sliding window (optional, no subset): only the last `window` view entries are read.
 * Scores (optional): the first pass stores each tile's base-2 logits into `scores_out`
   and the merge writes each head's log-sum-exp; a third, elementwise kernel turns the
   logits into probabilities in place. Extra cost: S * Hq * max_len * 4 bytes written
@@ -60,6 +61,7 @@ def _decode_partial_kernel(
     lse_ptr,
     scores_ptr,
     qk_scale,
+    window,
     stride_qs,
     stride_qh,
     stride_kcs,
@@ -96,8 +98,11 @@ def _decode_partial_kernel(
         # Effective sequence: subset[0 : n_sel] then the query's own token (view_len - 1).
         n_sel = tl.minimum(tl.load(subset_lens_ptr + s), subset_cap)
         eff_len = tl.where(view_len > 0, n_sel + 1, 0)
+        view_lo = 0
     else:
-        eff_len = view_len
+        # A sliding layer reads the view's last `window` entries: [view_lo, view_len).
+        view_lo = tl.where(window > 0, tl.maximum(view_len - window, 0), 0)
+        eff_len = view_len - view_lo
     # Split bounds rounded to whole tiles so only each split's last tile is ragged.
     chunk = tl.cdiv(tl.cdiv(eff_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -131,7 +136,7 @@ def _decode_partial_kernel(
             pos = tl.load(sub + offs, mask=valid & (offs < n_sel), other=0)
             pos = tl.where(offs == n_sel, view_len - 1, pos)  # view positions
         else:
-            pos = offs
+            pos = view_lo + offs
         slot = tl.load(table_row + pos, mask=valid, other=0).to(tl.int64)  # [BLOCK_N]
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(
@@ -257,6 +262,7 @@ def decode_attention(
     subset: torch.Tensor | None = None,  # [S, Hkv, B] int32 ascending view positions
     subset_lens: torch.Tensor | None = None,  # [S] int32 valid entries of subset
     scores_out: torch.Tensor | None = None,  # [S, Hq, max_len] float32
+    window: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
@@ -269,6 +275,8 @@ def decode_attention(
     With `scores_out`, row [s, h, :view_lens[s]] receives head h's softmax probabilities
     over view positions (under a subset: nonzero only at the positions read; a position
     listed twice shows one occurrence's share) and the rest of the row is zeroed.
+    `window` (sliding-window layers, not with `subset`): read only the last `window`
+    view entries (scores elsewhere are 0).
     `num_splits=None` picks the split count from shapes (see `auto_num_splits`);
     `block_n`, `num_warps`, `num_stages` tune the split kernel.
     """
@@ -277,6 +285,8 @@ def decode_attention(
     q = check_attention_args(q, k_cache, v_cache, table, out)
     if (subset is None) != (subset_lens is None):
         raise ValueError("subset and subset_lens go together")
+    if window is not None and (subset is not None or window < 1):
+        raise ValueError("window must be >= 1 and cannot be combined with a subset")
     if num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -300,7 +310,7 @@ def decode_attention(
         ):
             raise ValueError(f"scores_out must be float32 [S, Hq, {max_len}]")
         check_last_dim_contiguous("scores_out", scores_out)
-        if subset is not None:
+        if subset is not None or window is not None:
             scores_out.fill_(float("-inf"))  # positions not read normalize to 0
         lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32, device=q.device)
     else:
@@ -333,6 +343,7 @@ def decode_attention(
         lse,
         scores_out,
         float(scale) * LOG2E,
+        int(window or 0),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -3,12 +3,15 @@
 Sequence s contributes q_len = q_starts[s+1] - q_starts[s] queries, the LAST q_len
 entries of its view: query i sits at view index view_lens[s] - q_len + i and sees view
 positions <= that index (the cached prefix plus the chunk itself), read through the
-slot table.
+slot table. With a sliding `window` w > 0, query i also ignores view positions at or
+before its index - w (HF's rule: it sees itself and the w - 1 entries before it).
 
 Tiling: a program owns BLOCK_M queries of ONE query head and walks BLOCK_N-key tiles with
 an fp32 online softmax. Key tiles are processed in two phases: tiles entirely at or
 below the block's first query need no mask at all; the diagonal tiles apply the causal
-mask; tiles past the block's last query are never visited.
+mask; tiles past the block's last query are never visited. Under a window every
+visited tile is masked, and tiles wholly before the block's first query's window are
+skipped, so a sliding layer costs O(chunk x (chunk + window)), not O(chunk x view).
 
 GQA: one query head per program rather than packing the G heads into the M dimension.
 At BLOCK_M = 128 a tile already does ~128 FLOPs per K/V byte (compute bound on an H200),
@@ -52,11 +55,14 @@ def _softmax_step(
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = m_new
     if MASKED:
-        # A row may see no key of a diagonal tile; keep exp2 away from (-inf) - (-inf).
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+        # A row may have seen no key yet (a tile before its window, or past a padded
+        # row's end): keep exp2 away from (-inf) - (-inf) but leave m at -inf, so the
+        # first visible key later sets the reference and nothing underflows.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -74,6 +80,7 @@ def _prefill_kernel(
     lens_ptr,
     out_ptr,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_kcs,
@@ -89,6 +96,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Program (query head, query block, sequence)."""
     h = tl.program_id(0)
@@ -120,6 +128,11 @@ def _prefill_kernel(
         last_q = view_len - q_len + tl.minimum((mb + 1) * BLOCK_M, q_len) - 1
         full_end = (first_q + 1) // BLOCK_N * BLOCK_N  # keys [0, full_end) visible to all rows
         hi = last_q + 1  # no row sees a key at or past hi
+        lo = first_q * 0  # first key tile visited
+        if HAS_WINDOW:
+            # Keys before the first query's window are invisible to the whole block.
+            lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+            full_end = lo
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -128,7 +141,7 @@ def _prefill_kernel(
         k_base = k_cache_ptr + kvh * stride_kch
         v_base = v_cache_ptr + kvh * stride_vch
         dm = d_mask[None, :]
-        for j in range(0, full_end, BLOCK_N):
+        for j in range(lo, full_end, BLOCK_N):
             slot = tl.load(table_row + j + offs_n).to(tl.int64)  # [BLOCK_N]; < full_end <= L
             m_i, l_i, acc = _softmax_step(
                 q,
@@ -150,6 +163,8 @@ def _prefill_kernel(
             # Padded query rows (offs_m >= q_len) have q_pos >= hi: they see every loaded
             # key, stay finite, and are never stored.
             visible = (offs[None, :] <= q_pos[:, None]) & k_valid[None, :]
+            if HAS_WINDOW:
+                visible = visible & (offs[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _softmax_step(
                 q,
                 k_base + slot[:, None] * stride_kcs + offs_d[None, :],
@@ -199,6 +214,7 @@ def prefill_attention(
     out: torch.Tensor,  # [T, Hq, D]
     max_q_len: int,
     *,
+    window: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -207,7 +223,8 @@ def prefill_attention(
     """Causal attention of every chunk query over its view; writes and returns `out`.
 
     `max_q_len` (>= every q_len) sizes the grid on the host, so no device value is read.
-    The keyword-only tile options override `prefill_config` (tuning/tests).
+    `window` (sliding-window layers): each query sees itself and the window - 1 view
+    entries before it. The keyword-only tile options override `prefill_config`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -237,6 +254,7 @@ def prefill_attention(
         view_lens,
         out,
         float(scale) * LOG2E,
+        int(window or 0),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -250,6 +268,7 @@ def prefill_attention(
         GROUP=num_q_heads // num_kv_heads,
         BLOCK_D=next_pow2(max(head_dim, 16)),
         DOT_PREC=dot_precision(k_cache.dtype),
+        HAS_WINDOW=window is not None,
         **cfg,
     )
     return out
