@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
-#   PART = tests | dense | long   (several parts: run them one after another)
+#   PART = tests | multiturn | dense | long   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -11,7 +11,15 @@ for part in "$@"; do
   case $part in
     tests)
       nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
-      python -m pytest -q -x tests/gpu 2>&1 | tail -5 ;;
+      python -m pytest -q tests/gpu tests/kernels 2>&1 | tail -15 ;;
+    multiturn)
+      # Issue 6: 8 conversations x 10 turns x 4K-token tool outputs, dummy Llama-3-8B.
+      python -m sparsevllm.cli bench multiturn --model-config llama3-8b --conversations 8 \
+         --turns 10 --tool-tokens 4096 --question-tokens 32 --output-len 64 \
+         --max-model-len 43008 --decode-keep-tokens 2048 --max-num-seqs 8 \
+         --variants vanilla:nocache vanilla:radix snapkv:chain \
+         --json "$OUT/multiturn_h200_llama3_8b.json" --plot "$OUT/multiturn_h200_llama3_8b.png" \
+         | tail -4 ;;
     dense)
       $M --prompt-len 8192 --output-len 128 --batch-size 32 --max-model-len 8448 \
          --compare hf --json "$OUT/dense_b32_8k_vs_hf.json" | tail -3
@@ -21,7 +29,7 @@ for part in "$@"; do
       $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --max-batch \
          --json "$OUT/vanilla_32k_maxbatch.json" | tail -3
       $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --max-batch \
-         --sparse-method snapkv --decode-keep-tokens 2048 --max-num-seqs 64 \
-         --json "$OUT/snapkv_32k_b64.json" | tail -3 ;;
+         --sparse-method snapkv --decode-keep-tokens 2048 --max-num-seqs ${SNAP_SEQS:-128} \
+         --json "$OUT/snapkv_32k_maxbatch.json" | tail -3 ;;
   esac
 done

@@ -105,6 +105,11 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Free the engine's device memory (weights, KV pool, CUDA graphs) so another
+        engine can start in this process; this LLM cannot generate afterwards."""
+        self.engine.runner.free_device_memory(weights=True)
+
     def _run(
         self, requests: list[tuple[Prompt, SamplingParams]], use_tqdm: bool
     ) -> list[RequestOutput]:

@@ -45,7 +45,9 @@ class TritonBackend(AttentionBackend):
                 want = [batch.wants_scores(layer, i) for i in range(batch.num_seqs)]
             scores = None
             if any(want):
-                # The kernel writes probabilities over the table width: [S, Hq, max_len].
+                # Probabilities over the table width [S, Hq, width]: narrow the table to
+                # the batch's longest view so the buffer is not sized by max_model_len.
+                table = table[:, : batch.max_view_len(group)]
                 scores = torch.empty(
                     (q.shape[0], q.shape[1], table.shape[-1]),
                     dtype=torch.float32,
@@ -68,7 +70,9 @@ class TritonBackend(AttentionBackend):
             if scores is not None:
                 for i, w in enumerate(want):
                     if w:
-                        batch.put_scores(layer, i, scores[i, :, : batch.view_lens[group][i]])
+                        # A copy: a view would keep every layer's whole buffer alive.
+                        row = scores[i, :, : batch.view_lens[group][i]].clone()
+                        batch.put_scores(layer, i, row)
             return out
         prefill_attention(
             q,

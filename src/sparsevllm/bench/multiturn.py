@@ -65,7 +65,7 @@ def run_variant(
         histories = [p + o.token_ids for p, o in zip(prompts, outs)]
     elapsed = time.perf_counter() - start
     stats = llm.stats()
-    return {
+    result = {
         "variant": variant,
         "sparse_method": method,
         "cache": cache,
@@ -79,6 +79,8 @@ def run_variant(
         "mean_time_to_first_token_s": sum(ttft) / len(ttft),
         "final_history_tokens": sum(len(h) for h in histories) / len(histories),
     }
+    llm.close()  # the next variant's engine needs the device memory
+    return result
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:

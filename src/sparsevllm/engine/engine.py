@@ -185,10 +185,15 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), "prompt-logits", ids, SamplingParams(max_tokens=1))
         if not self.pool.can_append(len(ids)):
             raise ValueError(f"not enough free KV slots for a {len(ids)}-token prompt now")
-        self.pool.append(seq.seq_id, len(ids))
+        chunk = self.config.chunk_prefill_size  # bounds activations and window groups
+        logits = []
         try:
-            sched = SchedulerOutput(scheduled=[ScheduledSeq(seq, 0, len(ids))])
-            return self.runner.forward_logits(sched, self.pool)
+            for start in range(0, len(ids), chunk):
+                n = min(chunk, len(ids) - start)
+                self.pool.append(seq.seq_id, n)
+                sched = SchedulerOutput(scheduled=[ScheduledSeq(seq, start, n)])
+                logits.append(self.runner.forward_logits(sched, self.pool))
+            return torch.cat(logits)
         finally:
             self.pool.release(seq.seq_id)
             self.runner.release(seq.seq_id)

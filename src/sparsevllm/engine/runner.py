@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -116,9 +117,8 @@ class ModelRunner:
         by_window: dict[int, list[int]] = {}
         for layer, window in self._sliding_layers():
             by_window.setdefault(window, []).append(layer)
-        # One step adds at most max_num_batched_tokens, or a whole prompt for
-        # prompt_logits, to a window group.
-        step = max(cfg.max_num_batched_tokens, max_model_len)
+        # One step adds at most max_num_batched_tokens (prompt_logits runs in chunks).
+        step = max(cfg.max_num_batched_tokens, cfg.chunk_prefill_size)
         return [
             WindowGroup(layers, w, window_group_slots(w, cfg.max_num_seqs, step))
             for w, layers in sorted(by_window.items())
@@ -148,22 +148,28 @@ class ModelRunner:
             hf = self.model.config
             act = cfg.max_num_batched_tokens * (4 * hf.hidden_size + 3 * hf.intermediate_size)
             act = act * 4 + cfg.max_num_seqs * hf.vocab_size * 8
+            # Decode-kernel attention probabilities for score-reading methods (fp32).
+            act += cfg.max_num_seqs * hf.num_attention_heads * max_model_len * 4
             budget = total * cfg.gpu_memory_utilization - used - act
         else:
-            # Enough for every sequence at full length, but never more than 1 GiB.
-            budget = min(
-                _CPU_DEFAULT_KV_GB * 2**30,
-                cfg.max_num_seqs * max_model_len * self.kv_bytes_per_slot,
-            )
+            budget = 0.0  # the CPU default below
         # Window groups have fixed sizes; the main layers share what is left.
         window_bytes = sum(
             w.num_slots * len(w.layers) * self._layer_bytes_per_slot for w in self.window_groups
         )
         main_layers = self.num_layers - sum(len(w.layers) for w in self.window_groups)
-        slots = int((budget - window_bytes) // (max(main_layers, 1) * self._layer_bytes_per_slot))
+        main_bytes = max(main_layers, 1) * self._layer_bytes_per_slot
+        if cfg.kv_cache_memory_gb is None and self.device.type != "cuda":
+            # Enough for every sequence at full length, but never more than 1 GiB.
+            budget = window_bytes + min(
+                _CPU_DEFAULT_KV_GB * 2**30, cfg.max_num_seqs * max_model_len * main_bytes
+            )
+        slots = int((budget - window_bytes) // main_bytes)
         if slots < 1:
             raise ValueError(
-                "no memory left for the KV pool; lower the model size or raise the budget"
+                f"no memory left for the KV pool ({budget / 2**30:.2f} GiB, of which "
+                f"{window_bytes / 2**30:.2f} GiB for sliding-window layers); lower the model "
+                "size or max_num_seqs, or raise the budget"
             )
         return slots
 
@@ -171,13 +177,17 @@ class ModelRunner:
     def add_generator(self, seq_id: int, seed: int | None) -> None:
         self.generators[seq_id] = make_generator(seed, self.device)
 
-    def free_device_memory(self) -> None:
-        """Drop the KV pool and captured graphs (the engine is unusable afterwards);
-        used before running another implementation in the same process."""
+    def free_device_memory(self, weights: bool = False) -> None:
+        """Drop the KV pool and captured graphs, and the weights too if asked (the engine
+        is unusable afterwards); used before another engine runs in the same process."""
         self.k_cache.clear()
         self.v_cache.clear()
         self.graphs = None
         self.backend = None
+        if weights:
+            self.model = None
+            self.tables = None
+        gc.collect()  # graphs and tensors in reference cycles hold device memory
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -10,9 +10,11 @@ original HF checkpoint (up to quantization error).
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import gguf
@@ -86,6 +88,25 @@ _MODEL_TYPE_TO_ARCH: dict[str, str] = {
 }
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+_CACHE: dict[tuple[Any, ...], Any] = {}
+_CACHE_FILES = 2  # files whose parsed contents stay in memory
+
+
+def _cached(fn: Callable[..., Any], path: str, *args: Any) -> Any:
+    """fn(path, *args), memoised per file identity (path, size, mtime): a rewritten file
+    is parsed again. Only the last `_CACHE_FILES` files are kept."""
+    st = os.stat(path)
+    ident = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    key = (fn.__name__, ident, *args)
+    if key not in _CACHE:
+        files = list(dict.fromkeys(k[1] for k in _CACHE))
+        if ident not in files and len(files) >= _CACHE_FILES:
+            for k in [k for k in _CACHE if k[1] == files[0]]:
+                del _CACHE[k]
+        _CACHE[key] = fn(path, *args)
+    return _CACHE[key]
 
 
 def _check_architecture(arch: str) -> None:
@@ -191,6 +212,11 @@ def _split(path: str) -> tuple[str, str]:
 
 
 def load_gguf_config(path: str) -> transformers.PretrainedConfig:
+    """The HF config of a GGUF file (a private copy: callers may adapt it)."""
+    return copy.deepcopy(_cached(_load_gguf_config, path))
+
+
+def _load_gguf_config(path: str) -> transformers.PretrainedConfig:
     """Return the HF config for the GGUF file at ``path``.
 
     Built by transformers' GGUF metadata parser, then patched where it falls
@@ -267,6 +293,12 @@ def _metadata_int(reader: gguf.GGUFReader, key: str) -> int:
 
 
 def load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Dequantized HF-named tensors of a GGUF file (cached: the loader only copies from
+    them, and parsing a file takes seconds, e.g. for every engine of a quality sweep)."""
+    return dict(_cached(_load_gguf_state_dict, path, dtype))
+
+
+def _load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Dequantize every tensor of a GGUF file into an HF-named state dict.
 
     Tied checkpoints (no ``output.weight``) get no ``lm_head.weight`` entry; the
@@ -305,6 +337,12 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict[
 
 
 def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
+    """The GGUF file's tokenizer (one shared instance per file: tokenizers are not
+    modified by the engine)."""
+    return _cached(_load_gguf_tokenizer, path)
+
+
+def _load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     """Build a fast HF tokenizer (with the chat template, if any) from GGUF metadata."""
     dirname, basename = _split(path)
     return transformers.AutoTokenizer.from_pretrained(dirname, gguf_file=basename)
