@@ -105,6 +105,11 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Write idle chains to the disk tier (with `disk_offload_dir`), so that an LLM
+        started later with the same model and KV settings continues them."""
+        self.engine.persist_chains()
+
     def _run(
         self, requests: list[tuple[Prompt, SamplingParams]], use_tqdm: bool
     ) -> list[RequestOutput]:

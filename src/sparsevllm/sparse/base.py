@@ -12,6 +12,7 @@ The host (runner, scheduler) asks a method what it needs and never which method 
 - `after_step`: look at the step's scores and keys, and physically evict through
   `KVAccess` (the freed slots return to the pool at once).
 - `release`: forget a sequence's state (finished, aborted or preempted).
+- `export_state`, `import_state`: save and restore a sequence's state (disk tier).
 
 A score-based eviction method subclasses `ScoreEviction` and writes one `score(...)`.
 """
@@ -136,6 +137,17 @@ class SparseMethod:
 
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state."""
+
+    # -- cross-request state (the disk tier) ------------------------------------------
+    def export_state(self, seq_id: int) -> dict[str, torch.Tensor]:
+        """Per-sequence state an idle chain needs to continue, as host tensors (the disk
+        tier saves it). A method with such state overrides this and `import_state`."""
+        return {}
+
+    def import_state(
+        self, seq_id: int, state: dict[str, torch.Tensor], device: torch.device
+    ) -> None:
+        """Take back what `export_state` returned (possibly in a later engine)."""
 
 
 def gqa_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
