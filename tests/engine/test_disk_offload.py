@@ -144,7 +144,10 @@ def test_other_configurations_and_broken_files_are_not_used(model, tmp_path):
     same = LLM(model, **SNAPKV, disk_offload_dir=str(tmp_path))
     assert len(list(directory.iterdir())) == 1  # the leftovers went, the chain stayed
     assert [c["chain_id"] for c in same.engine.chains.listing()] == ["keep"]
-    assert second_turn(same, first).chain_status == "continued (restored from disk)"
+    # Pruning brings the chain back, and its ranges still mean the saved history's
+    # tokens: 200-209 (the prompt's last token and the answer) are all resident.
+    assert same.prune("keep", ranges=[(200, 210)], keep_ratio=0.5).slots_freed == 5
+    assert second_turn(same, first).chain_status == "continued"
 
 
 def test_disk_tier_settings_are_validated(model, tmp_path):

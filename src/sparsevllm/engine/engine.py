@@ -15,6 +15,7 @@ from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_st
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.offload_tiers import OffloadTiers
 from sparsevllm.engine.prefix_cache import RadixCache
+from sparsevllm.engine.prune import PruneResult, prune_cache
 from sparsevllm.engine.runner import ModelRunner
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from sparsevllm.engine.sequence import Sequence
@@ -323,6 +324,20 @@ class LLMEngine:
         self.runner.release(owner)
 
     # -- cached history -----------------------------------------------------------------
+    def prune(
+        self,
+        chain_id: str | None = None,
+        prompt: str | list[int] | None = None,
+        *,
+        ranges: list[tuple[int, int]],
+        method: str = "knorm",
+        keep_ratio: float,
+    ) -> PruneResult:
+        """Compress logical token ranges of an idle chain or of the cached prefix of
+        `prompt` (see engine/prune.py); the history stays matchable by the next turn."""
+        tokens = None if prompt is None else self.encode(prompt)[1]
+        return prune_cache(self, chain_id, tokens, ranges, method, keep_ratio)
+
     def persist_chains(self) -> int:
         """Write idle chains to the disk tier (if there is one), so that an engine
         started later continues them; returns how many were written."""

@@ -12,7 +12,8 @@ The host (runner, scheduler) asks a method what it needs and never which method 
 - `after_step`: look at the step's scores and keys, and physically evict through
   `KVAccess` (the freed slots return to the pool at once).
 - `release`: forget a sequence's state (finished, aborted or preempted).
-- `export_state`, `import_state`: save and restore a sequence's state (disk tier).
+- `on_compressed`, `export_state`, `import_state`: keep per-token state aligned when
+  an idle chain is pruned, and save/restore it for the disk tier.
 
 A score-based eviction method subclasses `ScoreEviction` and writes one `score(...)`.
 """
@@ -138,7 +139,11 @@ class SparseMethod:
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state."""
 
-    # -- cross-request state (the disk tier) ------------------------------------------
+    # -- cross-request state (pruning, the disk tier) ---------------------------------
+    def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
+        """The view of `layer` kept only `keep` (`[num_kv_heads, B]` view positions,
+        ascending per head): per-token state must follow (also called by pruning)."""
+
     def export_state(self, seq_id: int) -> dict[str, torch.Tensor]:
         """Per-sequence state an idle chain needs to continue, as host tensors (the disk
         tier saves it). A method with such state overrides this and `import_state`."""
