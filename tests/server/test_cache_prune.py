@@ -158,3 +158,25 @@ def test_a_history_in_use_is_refused_with_409(chain_server: RunningServer):
         )
         assert response.status_code == 409, response.text
         assert response.json()["error"]["code"] == "cache_busy"
+
+
+def test_a_restarted_server_continues_the_chains_it_left_on_disk(tiny_path: str, tmp_path):
+    config = tiny_config(
+        tiny_path, sparse_method="knorm", enable_prefix_caching=True, disk_offload_dir=str(tmp_path)
+    )
+    server = start_server(config, served_model_name=TINY_NAME)
+    try:
+        first = complete(server, PROMPT, chain_id="saved")
+        history = PROMPT + reply_ids(server, first)
+    finally:
+        server.stop()  # the worker writes its idle chains to disk on the way out
+    later = start_server(config, served_model_name=TINY_NAME)
+    try:
+        entry = next(c for c in listing(later)["chains"] if c["chain_id"] == "saved")
+        assert (entry["tier"], entry["logical_tokens"]) == ("disk", len(history) - 1)
+        assert listing(later)["offload"]["disk_bytes"] > 0
+        follow = complete(later, history + [7], chain_id="saved")
+        assert follow["chain_status"] == "continued (restored from disk)"
+        assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - 1
+    finally:
+        later.stop()
