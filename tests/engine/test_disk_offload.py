@@ -155,3 +155,29 @@ def test_disk_tier_settings_are_validated(model, tmp_path):
         LLM(model, disk_offload_dir=str(tmp_path))
     with pytest.raises(ValueError, match="disk_offload_gb must be > 0"):
         LLM(model, **SNAPKV, disk_offload_dir=str(tmp_path), disk_offload_gb=0)
+
+
+def test_restoring_from_cpu_under_pressure_keeps_the_chain_off_disk(model, tmp_path):
+    """Restoring a CPU chain may push other chains out, demoting the oldest CPU chains to
+    disk: never the chain being restored."""
+    two_chains = 160_000 / 2**30
+    llm = LLM(
+        model, **SNAPKV, **PRESSURE, cpu_offload_gb=two_chains, disk_offload_dir=str(tmp_path)
+    )
+    firsts = [
+        run_one(llm, [1] + [(k * 13 + i) % 240 + 3 for i in range(200)], f"c{k}") for k in range(4)
+    ]
+    tiers = {c["chain_id"]: c["tier"] for c in llm.engine.chains.listing()}
+    assert tiers == {"c0": "CPU", "c1": "CPU", "c2": None, "c3": None}
+    engine = llm.engine
+    engine.add_request([5] * 100, SamplingParams(max_tokens=60, ignore_eos=True), "other")
+    while engine.pool.num_free >= 73:  # c0 holds 73 slots: restoring it must make room
+        engine.step()
+    prompt = [1] + [(0 * 13 + i) % 240 + 3 for i in range(200)] + firsts[0].token_ids + NEW
+    rid = engine.add_request(prompt, GREEDY, chain_id="c0")
+    assert engine.chain_of(rid) == ("c0", "continued (restored from CPU)")
+    tiers = {c["chain_id"]: c["tier"] for c in engine.chains.listing()}
+    assert tiers["c0"] is None and tiers["c2"] == "CPU"
+    assert "disk" not in tiers.values() and list(engine.tiers.disk.dir.glob("*.pt")) == []
+    while engine.has_unfinished_requests():
+        engine.step()

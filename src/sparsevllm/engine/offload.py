@@ -101,8 +101,10 @@ class CpuOffloadStore:
         rows = self._store[owner]
         if not self.pool.can_append(max(rows[0])):
             return False
-        scatter_rows(self.pool, self.k_cache, self.v_cache, owner, rows)
+        # Out of the store first: making room may offload other chains, and must not
+        # move this one on to disk.
         self.drop(owner)
+        scatter_rows(self.pool, self.k_cache, self.v_cache, owner, rows)
         self.num_restored += 1
         return True
 
