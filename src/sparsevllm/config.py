@@ -49,6 +49,12 @@ FIELD_HELP: dict[str, str] = {
     "(eviction methods continue a conversation from their resident state).",
     "cpu_offload_gb": "Chain cache: host memory (GiB) that idle chains move to under pressure "
     "instead of being dropped; restored bit-exactly on the next turn (0: off).",
+    "disk_offload_dir": "Chain cache: directory of the disk tier. Idle chains that neither "
+    "the pool nor the CPU tier can hold are written there (one file each) and restored "
+    "bit-exactly; they survive a restart of an engine with the same model and KV settings "
+    "(default: none).",
+    "disk_offload_gb": "Chain cache: size cap (GiB) of the disk tier; the least recently "
+    "written chains are dropped to make room.",
     "sink_keep_tokens": "Sparse methods: first tokens always kept (attention sinks).",
     "recent_keep_tokens": "Sparse methods: most recent tokens always kept.",
     "decode_keep_tokens": "Sparse methods: KV budget per layer (tokens kept or read), "
@@ -104,6 +110,8 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     prefix_cache_mode: str = "auto"
     cpu_offload_gb: float = 0.0
+    disk_offload_dir: str | None = None
+    disk_offload_gb: float = 8.0
     sink_keep_tokens: int = 4
     recent_keep_tokens: int = 32
     decode_keep_tokens: int = 2048
@@ -206,6 +214,23 @@ class EngineConfig:
                 "keeps a plain prefix: use 'radix'"
             )
         object.__setattr__(self, "prefix_cache_mode", mode)
+        self._validate_disk_offload()
+
+    def _validate_disk_offload(self) -> None:
+        _check_type("disk_offload_gb", self.disk_offload_gb, (int, float))
+        if self.disk_offload_gb <= 0:
+            raise ValueError(f"disk_offload_gb must be > 0, got {self.disk_offload_gb}")
+        if self.disk_offload_dir is None:
+            return
+        _check_type("disk_offload_dir", self.disk_offload_dir, str)
+        if not self.disk_offload_dir:
+            raise ValueError("disk_offload_dir must be a directory path (or None)")
+        if not self.enable_prefix_caching or self.prefix_cache_mode != "chain":
+            raise ValueError(
+                "disk_offload_dir needs the chain cache (an eviction method with prefix "
+                f"caching on); {self.sparse_method} uses "
+                f"{'no cache' if not self.enable_prefix_caching else 'the radix prefix cache'}"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.engine import LLMEngine
+from sparsevllm.engine.prune import PruneResult
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling import SamplingParams
 
@@ -105,9 +106,30 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def prune(
+        self,
+        chain_id: str | None = None,
+        prompt: Prompt | None = None,
+        *,
+        ranges: Sequence[tuple[int, int]],
+        method: str = "knorm",
+        keep_ratio: float,
+    ) -> PruneResult:
+        """Compress token ranges `[start, end)` of a cached history: the idle chain
+        `chain_id` (eviction methods) or the cached prefix of `prompt` (text or token
+        ids; dense methods). Each range keeps ceil(keep_ratio x its resident tokens),
+        chosen by `method` (knorm, snapkv or streamingllm); the other slots are freed
+        and the next turn still reuses the whole history. See docs/caching.md."""
+        return self.engine.prune(
+            chain_id, prompt, ranges=list(ranges), method=method, keep_ratio=keep_ratio
+        )
+
     def close(self) -> None:
-        """Free the engine's device memory (weights, KV pool, CUDA graphs) so another
-        engine can start in this process; this LLM cannot generate afterwards."""
+        """Write idle chains to the disk tier (with `disk_offload_dir`), so that an LLM
+        started later with the same model and KV settings continues them, then free the
+        engine's device memory (weights, KV pool, CUDA graphs) so another engine can
+        start in this process; this LLM cannot generate afterwards."""
+        self.engine.persist_chains()
         self.engine.runner.free_device_memory(weights=True)
 
     def _run(

@@ -45,6 +45,29 @@ def test_split_keeps_locks_balanced():
     assert sorted(cache.evict(4)) == [1, 2, 3, 4]
 
 
+def test_pruned_node_keeps_its_tokens_and_splits_by_position():
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15])
+    _, node = cache.match([1, 2, 3, 4, 5, 6])
+    assert cache.drop_slots(node, {11, 12, 14}) == 3
+    assert cache.entries() == [(6, 3)] and cache.num_cached_slots == 3
+    # Matching is by tokens: a partial match splits the pruned node by token position.
+    slots, node = cache.match([1, 2, 3, 4, 9])
+    assert slots == [10, 13] and cache.depth(node) == 4
+    assert cache.view(node) == ([10, 13], [0, 3])
+    # A request that borrowed the pruned prefix: its view is the borrowed slots, then one
+    # slot per later token (and an unused one, handed back).
+    assert cache.adopt([1, 2, 3, 4, 9, 8], [10, 13, 20, 21, 22], node) == [22]
+    assert cache.match([1, 2, 3, 4, 9, 8])[0] == [10, 13, 20, 21]
+    # A request that computed the whole prefix itself: its copies are all freed.
+    assert cache.insert([1, 2, 3, 4, 5, 6, 7], [30, 31, 32, 33, 34, 35, 36]) == list(range(30, 36))
+    assert cache.match([1, 2, 3, 4, 5, 6, 7])[0] == [10, 13, 15, 36]
+    assert cache.num_cached_slots == cache.num_evictable_slots == 6
+    cache.lock(node)
+    with pytest.raises(RuntimeError, match="in use"):
+        cache.drop_slots(node, {10})
+
+
 PREFIX = [1] + [(5 * i) % 240 + 3 for i in range(499)]  # 500 tokens
 
 

@@ -293,7 +293,9 @@ def test_radix_mode_lists_prefixes_and_needs_the_key(radix_server: RunningServer
     listing = cache_listing(radix_server, headers=auth)
     assert listing["mode"] == "radix" and listing["chains"] == []
     tokens = result.usage.prompt_tokens + result.usage.completion_tokens - 1
-    assert listing["prefixes"] == [{"tokens": tokens, "resident_slots": tokens}]
+    assert listing["prefixes"] == [
+        {"tokens": tokens, "logical_tokens": tokens, "resident_slots": tokens}
+    ]
     assert listing["kv_slots_cached"] == tokens
     assert radix_server.metrics()["sparsevllm:idle_chains"] == 0
 

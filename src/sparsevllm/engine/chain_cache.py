@@ -28,18 +28,22 @@ class Chain:
     resident: int  # slots it holds (fullest layer group): what dropping it frees
     busy: bool = False
     last_used: int = 0
-    offloaded: bool = False  # its KV lives in the CPU tier; no slots held
+    tier: str | None = None  # "CPU" or "disk": its KV lives in that tier; no slots held
+
+    @property
+    def offloaded(self) -> bool:
+        return self.tier is not None
 
 
 class ChainCache:
     def __init__(
         self,
         on_drop: Callable[[int], None],
-        offload: Callable[[int], bool] | None = None,
-        restore: Callable[[int], bool] | None = None,
+        offload: Callable[[Chain], str | None] | None = None,
+        restore: Callable[[Chain], bool] | None = None,
     ) -> None:
-        """`offload(owner)` moves a chain's KV to the CPU tier (False: no room) and
-        `restore(owner)` brings it back (False: the pool has no room)."""
+        """`offload(chain)` moves a chain's KV to an offload tier and names it (None: no
+        room) and `restore(chain)` brings it back (False: the pool has no room)."""
         self.on_drop = on_drop
         self.offload = offload
         self.restore = restore
@@ -48,7 +52,10 @@ class ChainCache:
         self._ids = itertools.count(1)
 
     def new_id(self) -> str:
-        return f"chain-{next(self._ids)}"
+        while True:  # chains restored from disk keep the ids an earlier engine gave them
+            chain_id = f"chain-{next(self._ids)}"
+            if chain_id not in self.chains:
+                return chain_id
 
     # -- lookup -------------------------------------------------------------------------
     def acquire(self, tokens: list[int], chain_id: str | None) -> tuple[Chain | None, str]:
@@ -75,17 +82,25 @@ class ChainCache:
                     f"diverged: the request differs from chain {chain_id!r} at token {at} "
                     f"of {len(chain.tokens)}; the chain was dropped and the request starts fresh"
                 )
+        status = "continued"
         if chain.offloaded:
-            if not self.restore(chain.owner):
+            tier = chain.tier
+            if not self.bring_back(chain):
                 self.drop(chain)
                 return None, "dropped: no room to restore the offloaded chain"
-            chain.offloaded = False
-            status = "continued (restored from CPU)"
-        else:
-            status = "continued"
+            status = f"continued (restored from {tier})"
         chain.busy = True
         chain.last_used = next(self._clock)
         return chain, status
+
+    def bring_back(self, chain: Chain) -> bool:
+        """Make an offloaded chain's KV resident again; False (still offloaded) if the
+        pool has no room."""
+        if chain.offloaded:
+            if not self.restore(chain):
+                return False
+            chain.tier = None
+        return True
 
     def _longest_idle_prefix(self, tokens: list[int]) -> Chain | None:
         best = None
@@ -105,6 +120,21 @@ class ChainCache:
         self.chains[chain_id] = Chain(
             chain_id, owner, list(tokens), resident, False, next(self._clock)
         )
+
+    def adopt(self, chain_id: str, owner: int, tokens: list[int], resident: int, tier: str) -> None:
+        """Register an offloaded chain saved by an earlier engine (newest last)."""
+        self.chains[chain_id] = Chain(
+            chain_id, owner, list(tokens), resident, False, next(self._clock), tier
+        )
+
+    def by_owner(self, owner: int) -> Chain | None:
+        return next((c for c in self.chains.values() if c.owner == owner), None)
+
+    def drop_owner(self, owner: int) -> None:
+        """An offload tier gave up the chain stored under `owner` (to make room)."""
+        chain = self.by_owner(owner)
+        if chain is not None:
+            self.drop(chain)
 
     def forget(self, chain_id: str | None) -> None:
         """The running request of a busy chain was aborted or preempted: its state is gone."""
@@ -130,8 +160,9 @@ class ChainCache:
         for chain in idle:
             if freed >= n:
                 break
-            if self.offload is not None and self.offload(chain.owner):
-                chain.offloaded = True
+            tier = self.offload(chain) if self.offload is not None else None
+            if tier is not None:
+                chain.tier = tier
             else:
                 self.drop(chain)
             freed += chain.resident
@@ -144,6 +175,7 @@ class ChainCache:
                 "resident_slots": 0 if c.offloaded else c.resident,
                 "busy": c.busy,
                 "offloaded": c.offloaded,
+                "tier": c.tier,
             }
             for c in self.chains.values()
         ]

@@ -13,8 +13,9 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.chain_cache import ChainCache
 from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
 from sparsevllm.engine.kv_pool import KVPool
-from sparsevllm.engine.offload import CpuOffloadStore
+from sparsevllm.engine.offload_tiers import OffloadTiers
 from sparsevllm.engine.prefix_cache import RadixCache
+from sparsevllm.engine.prune import PruneResult, prune_cache
 from sparsevllm.engine.runner import ModelRunner
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from sparsevllm.engine.sequence import Sequence
@@ -46,20 +47,21 @@ class LLMEngine:
         self.runner.bind_pool(self.pool, 2 * config.max_num_seqs + 1, self.max_model_len)
         policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
         self.prefill_policy = policy
-        self.prefix_cache = self.chains = self.offload = None
+        self._seq_ids = itertools.count()
+        self.prefix_cache = self.chains = self.offload = self.tiers = None
         if config.enable_prefix_caching and config.prefix_cache_mode == "radix":
             self.prefix_cache = RadixCache(free_slots=self.pool.free_slots)
             self.pool.reclaimer = self.prefix_cache
         elif config.enable_prefix_caching:
-            if config.cpu_offload_gb > 0:
-                r = self.runner
-                cap = int(config.cpu_offload_gb * 2**30)
-                self.offload = CpuOffloadStore(self.pool, r.k_cache, r.v_cache, cap)
+            self.tiers = OffloadTiers.build(config, self.source, self.runner, self.pool)
+            self.offload = self.tiers.cpu if self.tiers else None
             self.chains = ChainCache(
                 on_drop=self._drop_chain,
-                offload=self.offload.offload if self.offload else None,
-                restore=self.offload.restore if self.offload else None,
+                offload=self.tiers.offload if self.tiers else None,
+                restore=self.tiers.restore if self.tiers else None,
             )
+            if self.tiers is not None:  # chains an earlier engine saved to disk
+                self.tiers.attach(self.chains, lambda: next(self._seq_ids))
             self.pool.reclaimer = self.chains
         self.scheduler = Scheduler(
             self.pool,
@@ -74,7 +76,6 @@ class LLMEngine:
             prefix_cache=self.prefix_cache,
             chain_cache=self.chains,
         )
-        self._seq_ids = itertools.count()
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._emitted: dict[int, int] = {}
         self._by_request: dict[str, Sequence] = {}
@@ -322,9 +323,29 @@ class LLMEngine:
     def _drop_chain(self, owner: int) -> None:
         """An idle chain is reclaimed or dropped: free its slots and method state."""
         self.pool.release(owner)
-        if self.offload is not None:
-            self.offload.drop(owner)
+        if self.tiers is not None:
+            self.tiers.drop(owner)
         self.runner.release(owner)
+
+    # -- cached history -----------------------------------------------------------------
+    def prune(
+        self,
+        chain_id: str | None = None,
+        prompt: str | list[int] | None = None,
+        *,
+        ranges: list[tuple[int, int]],
+        method: str = "knorm",
+        keep_ratio: float,
+    ) -> PruneResult:
+        """Compress logical token ranges of an idle chain or of the cached prefix of
+        `prompt` (see engine/prune.py); the history stays matchable by the next turn."""
+        tokens = None if prompt is None else self.encode(prompt)[1]
+        return prune_cache(self, chain_id, tokens, ranges, method, keep_ratio)
+
+    def persist_chains(self) -> int:
+        """Write idle chains to the disk tier (if there is one), so that an engine
+        started later continues them; returns how many were written."""
+        return self.tiers.persist(self.chains) if self.tiers is not None else 0
 
     # -- statistics ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -1,4 +1,8 @@
-"""The runner's implementation of `KVAccess`: what sparse methods may do to the KV."""
+"""The runner's implementation of `KVAccess`: what sparse methods may do to the KV.
+
+Every eviction goes through `keep` / `keep_per_head`, which also record the logical
+position of each kept entry (`ViewPositions`) for pruning and the disk tier.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.slot_tables import DeviceSlotTables
+from sparsevllm.engine.view_positions import ViewPositions
 
 
 class RunnerKV:
@@ -25,6 +30,7 @@ class RunnerKV:
         self.num_layers = len(k_cache)
         self.num_kv_heads = k_cache[0].shape[1]
         self.device = k_cache[0].device
+        self.positions = ViewPositions(self.num_kv_heads, self.device)
 
     def _table(self, seq_id: int, layer: int) -> list[int]:
         return self.pool.table(seq_id, self.pool.group_of_layer[layer])
@@ -39,9 +45,23 @@ class RunnerKV:
         slots = torch.tensor(self._table(seq_id, layer)[start:end], device=self.device)
         return self.k_cache[layer][slots]  # [n, Hkv, D]
 
+    def logical_positions(self, seq_id: int, group: int) -> torch.Tensor:
+        """`[num_kv_heads, L]`: the token each entry of a group's view holds, per head."""
+        return self.positions.positions(seq_id, group, self.pool.num_resident(seq_id, group))
+
+    def forget(self, seq_id: int) -> None:
+        self.positions.forget(seq_id)
+
     def keep(self, seq_id: int, group: int, positions: list[int]) -> None:
+        view_len = self.pool.num_resident(seq_id, group)
+        self.positions.on_keep(seq_id, group, view_len, positions)
+        self._replace(seq_id, group, positions)
+
+    def _replace(self, seq_id: int, group: int, positions: list[int]) -> None:
         self.pool.replace_view(seq_id, group, positions)
-        if self.tables is not None:
+        # An idle chain (pruned between turns) holds no table row: its row is rebuilt
+        # from the pool when the chain continues.
+        if self.tables is not None and seq_id in self.tables.row_of:
             self.tables.rewrite(seq_id, group)
 
     def keep_per_head(self, seq_id: int, layer: int, positions: torch.Tensor) -> None:
@@ -53,6 +73,7 @@ class RunnerKV:
             self.keep(seq_id, group, positions[0].tolist())  # same tokens for every head
             return
         table = torch.tensor(self._table(seq_id, layer), device=self.device)
+        self.positions.on_keep(seq_id, group, table.shape[0], positions)
         heads = torch.arange(positions.shape[0], device=self.device)
         src = table[positions].t()  # [B, Hkv]: head h's j-th token lives in slot src[j, h]
         k_new = self.k_cache[layer][src, heads]  # [B, Hkv, D] (a copy)
@@ -61,4 +82,4 @@ class RunnerKV:
         dst = table[: positions.shape[1]]
         self.k_cache[layer][dst] = k_new
         self.v_cache[layer][dst] = v_new
-        self.keep(seq_id, group, list(range(positions.shape[1])))
+        self._replace(seq_id, group, list(range(positions.shape[1])))

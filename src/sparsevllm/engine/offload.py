@@ -4,7 +4,8 @@ When the pool needs room, an idle chain's K/V rows (every layer, in view order) 
 copied to CPU tensors (pinned on CUDA) and its slots are freed; the method's own state
 stays where it is. When a request continues the chain, new slots are allocated and the
 rows are copied back in the same order, so the restored state is bit-identical.
-Capacity is `cpu_offload_gb`; when it is full, the chain is dropped as before.
+Capacity is `cpu_offload_gb`; when it is full, the disk tier (if any) takes the chain,
+else it is dropped as before.
 """
 
 from __future__ import annotations
@@ -12,6 +13,47 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.engine.kv_pool import KVPool
+
+# A chain's KV off the device: resident rows per group, and per layer (K, V) `[n, Hkv, D]`.
+Rows = tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def gather_rows(
+    pool: KVPool, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], owner: int, pin: bool
+) -> Rows:
+    """Copy `owner`'s K/V rows to the host, in view order (its slots stay allocated)."""
+    counts = [pool.num_resident(owner, g) for g in range(pool.num_groups)]
+    layers_kv = []
+    for layer in range(len(k_cache)):
+        g = pool.group_of_layer[layer]
+        slots = torch.tensor(pool.table(owner, g), device=k_cache[layer].device)
+        layers_kv.append((_host(k_cache[layer][slots], pin), _host(v_cache[layer][slots], pin)))
+    if k_cache[0].is_cuda:
+        torch.cuda.synchronize(k_cache[0].device)  # the copies must land before reuse
+    return counts, layers_kv
+
+
+def scatter_rows(
+    pool: KVPool, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], owner: int, rows: Rows
+) -> None:
+    """Give `owner` new slots and copy the rows back in the same order."""
+    counts, layers_kv = rows
+    pool.append_per_group(owner, counts)
+    for layer, (k, v) in enumerate(layers_kv):
+        g = pool.group_of_layer[layer]
+        slots = torch.tensor(pool.table(owner, g), device=k_cache[layer].device)
+        k_cache[layer][slots] = k.to(k_cache[layer].device)
+        v_cache[layer][slots] = v.to(v_cache[layer].device)
+
+
+def rows_nbytes(rows: Rows) -> int:
+    return sum(k.numel() * k.element_size() * 2 for k, _ in rows[1])
+
+
+def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.is_cuda)
+    out.copy_(t, non_blocking=pin and t.is_cuda)
+    return out
 
 
 class CpuOffloadStore:
@@ -27,59 +69,56 @@ class CpuOffloadStore:
         self.v_cache = v_cache
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        # owner -> (rows per group, per layer (k, v) on the host)
-        self._store: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._store: dict[int, Rows] = {}  # owner -> its rows on the host
         self.num_offloaded = 0
         self.num_restored = 0
 
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        out.copy_(t, non_blocking=t.is_cuda)
-        return out
+    def need_bytes(self, owner: int) -> int:
+        """Host bytes `owner`'s resident KV would take."""
+        counts = [self.pool.num_resident(owner, g) for g in range(self.pool.num_groups)]
+        row_bytes = self.k_cache[0][0].numel() * self.k_cache[0].element_size() * 2
+        return row_bytes * sum(n * len(g) for n, g in zip(counts, self.pool.layer_groups))
+
+    def oldest(self) -> int | None:
+        """The owner offloaded longest ago (None: empty)."""
+        return next(iter(self._store), None)
 
     def offload(self, owner: int) -> bool:
         """Copy `owner`'s KV to the host and free its slots; False if it does not fit."""
         if not self.pool.has(owner):
             return False
-        counts = [self.pool.num_resident(owner, g) for g in range(self.pool.num_groups)]
-        row_bytes = self.k_cache[0][0].numel() * self.k_cache[0].element_size() * 2
-        need = sum(counts[g] * len(layers) for g, layers in enumerate(self.pool.layer_groups))
-        if self.used_bytes + need * row_bytes > self.capacity_bytes:
+        if self.used_bytes + self.need_bytes(owner) > self.capacity_bytes:
             return False
-        layers_kv = []
-        for layer in range(len(self.k_cache)):
-            g = self.pool.group_of_layer[layer]
-            slots = torch.tensor(self.pool.table(owner, g), device=self.k_cache[layer].device)
-            layers_kv.append(
-                (self._host(self.k_cache[layer][slots]), self._host(self.v_cache[layer][slots]))
-            )
-        if self.k_cache[0].is_cuda:
-            torch.cuda.synchronize(self.k_cache[0].device)  # the copies must land before reuse
+        rows = gather_rows(self.pool, self.k_cache, self.v_cache, owner, pin=True)
         self.pool.release(owner)
-        self._store[owner] = (counts, layers_kv)
-        self.used_bytes += need * row_bytes
+        self._store[owner] = rows
+        self.used_bytes += rows_nbytes(rows)
         self.num_offloaded += 1
         return True
 
     def restore(self, owner: int) -> bool:
         """Allocate slots and copy the rows back (in order); False if the pool is full."""
-        counts, layers_kv = self._store[owner]
-        if not self.pool.can_append(max(counts[: self.pool.num_main_groups])):
+        rows = self._store[owner]
+        if not self.pool.can_append(max(rows[0][: self.pool.num_main_groups])):
             return False
-        self.pool.append_per_group(owner, counts)
-        for layer, (k, v) in enumerate(layers_kv):
-            g = self.pool.group_of_layer[layer]
-            slots = torch.tensor(self.pool.table(owner, g), device=self.k_cache[layer].device)
-            self.k_cache[layer][slots] = k.to(self.k_cache[layer].device)
-            self.v_cache[layer][slots] = v.to(self.v_cache[layer].device)
+        # Out of the store first: making room may offload other chains, and must not
+        # move this one on to disk.
         self.drop(owner)
+        scatter_rows(self.pool, self.k_cache, self.v_cache, owner, rows)
         self.num_restored += 1
         return True
 
+    def take(self, owner: int) -> Rows | None:
+        """Remove and return `owner`'s rows (moving them on to the disk tier)."""
+        rows = self._store.get(owner)
+        if rows is not None:
+            self.drop(owner)
+        return rows
+
     def drop(self, owner: int) -> None:
-        entry = self._store.pop(owner, None)
-        if entry is not None:
-            self.used_bytes -= sum(k.numel() * k.element_size() * 2 for k, _ in entry[1])
+        rows = self._store.pop(owner, None)
+        if rows is not None:
+            self.used_bytes -= rows_nbytes(rows)
 
     def has(self, owner: int) -> bool:
         return owner in self._store

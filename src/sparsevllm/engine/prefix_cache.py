@@ -6,20 +6,34 @@ tokens' slots to the tree instead of freeing them; a new request whose prompt st
 with a cached prefix borrows those slots and prefills only the rest. Nodes used by a
 running request are locked; unlocked nodes are evicted least-recently-used, leaves
 first, whenever the pool needs slots.
+
+A node may be *pruned* (`engine/prune.py`): it then holds fewer slots than tokens, and
+`positions` gives the offset within the node of the token each slot holds. Matching
+stays by tokens, so a request borrowing a pruned prefix still skips all of its tokens
+(its positions stay logical) while reading a shorter view.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable
 
 
 class _Node:
-    __slots__ = ("tokens", "slots", "children", "parent", "ref", "last_used")
+    __slots__ = ("tokens", "slots", "positions", "children", "parent", "ref", "last_used")
 
-    def __init__(self, tokens: list[int], slots: list[int], parent: _Node | None) -> None:
+    def __init__(
+        self,
+        tokens: list[int],
+        slots: list[int],
+        parent: _Node | None,
+        positions: list[int] | None = None,
+    ) -> None:
         self.tokens = tokens
         self.slots = slots
+        # None: one slot per token. Pruned: the offset in `tokens` of each slot's token.
+        self.positions = positions
         self.children: dict[int, _Node] = {}
         self.parent = parent
         self.ref = 0
@@ -55,6 +69,29 @@ class RadixCache:
             node, pos = child, pos + n
         return slots, node
 
+    def depth(self, node: _Node) -> int:
+        """Logical tokens from the root to the end of `node`."""
+        return sum(len(n.tokens) for n in self.path(node))
+
+    def path(self, node: _Node) -> list[_Node]:
+        """The nodes from the root (excluded) down to `node`."""
+        out = []
+        while node is not self.root:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    def view(self, node: _Node) -> tuple[list[int], list[int]]:
+        """Slots of the path to `node` and the logical position of each slot's token."""
+        slots: list[int] = []
+        positions: list[int] = []
+        start = 0
+        for n in self.path(node):
+            slots.extend(n.slots)
+            positions.extend(start + p for p in _offsets(n))
+            start += len(n.tokens)
+        return slots, positions
+
     def lock(self, node: _Node) -> None:
         """Pin `node` and its ancestors (a running request reads their slots)."""
         while node is not self.root:
@@ -71,15 +108,18 @@ class RadixCache:
             node = node.parent
 
     # -- insertion ----------------------------------------------------------------------
-    def insert(self, tokens: list[int], slots: list[int]) -> list[int]:
-        """Adopt `slots` (one per token) for `tokens`; return the slots not adopted
-        because the tree already holds KV for those positions (the caller frees them)."""
+    def insert(self, tokens: list[int], slots: list[int], start: int = 0) -> list[int]:
+        """Adopt `slots`, one per token of `tokens[start:]` (the tree already holds the
+        first `start` tokens: the prefix the sequence borrowed); return the slots not
+        adopted because the tree holds those positions already (the caller frees them)."""
         node, pos, duplicates = self.root, 0, []
         now = next(self._clock)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
-                leaf = _Node(tokens[pos:], slots[pos:], node)
+                if pos < start:
+                    raise RuntimeError("a borrowed prefix left the cache while in use")
+                leaf = _Node(tokens[pos:], slots[pos - start :], node)
                 leaf.last_used = now
                 node.children[tokens[pos]] = leaf
                 self.num_cached_slots += len(leaf.slots)
@@ -88,19 +128,52 @@ class RadixCache:
             n = _common(child.tokens, tokens, pos)
             if n < len(child.tokens):
                 child = self._split(child, n)
-            duplicates.extend(s for s, c in zip(slots[pos : pos + n], child.slots) if s != c)
+            if pos + n > start:
+                offset = max(start - pos, 0)
+                mine = slots[pos + offset - start : pos + n - start]
+                duplicates.extend(_duplicates(child, mine, offset))
             child.last_used = now
             node, pos = child, pos + n
         return duplicates
 
+    def adopt(self, tokens: list[int], view: list[int], borrowed: _Node | None) -> list[int]:
+        """Take a finished sequence's KV. `view` holds the slots it borrowed through
+        `borrowed` (None: nothing), then one slot per later token of `tokens` (and maybe
+        unused ones). Returns the slots the caller frees."""
+        start = self.depth(borrowed) if borrowed is not None else 0
+        num_borrowed = len(self.view(borrowed)[0]) if borrowed is not None else 0
+        own = view[num_borrowed:]
+        used = len(tokens) - start
+        return self.insert(tokens, own[:used], start) + own[used:]
+
     def _split(self, node: _Node, n: int) -> _Node:
         """Cut `node` after n tokens; return the new upper half (same ref count)."""
-        upper = _Node(node.tokens[:n], node.slots[:n], node.parent)
+        if node.positions is None:
+            k, upper_pos, lower_pos = n, None, None
+        else:
+            k = bisect.bisect_left(node.positions, n)
+            upper_pos = _compact(node.positions[:k], n)
+            lower_pos = _compact([p - n for p in node.positions[k:]], len(node.tokens) - n)
+        upper = _Node(node.tokens[:n], node.slots[:k], node.parent, upper_pos)
         upper.ref, upper.last_used = node.ref, node.last_used
         node.parent.children[node.tokens[0]] = upper
-        node.tokens, node.slots, node.parent = node.tokens[n:], node.slots[n:], upper
+        node.tokens, node.slots, node.parent = node.tokens[n:], node.slots[k:], upper
+        node.positions = lower_pos
         upper.children[node.tokens[0]] = node
         return upper
+
+    def drop_slots(self, node: _Node, dropped: set[int]) -> int:
+        """Pruning: remove the `dropped` slots from an unlocked node (the caller frees
+        them); its tokens stay matchable. Returns how many were removed."""
+        if node.ref:
+            raise RuntimeError("a node in use cannot be pruned")
+        kept = [(s, p) for s, p in zip(node.slots, _offsets(node)) if s not in dropped]
+        removed = len(node.slots) - len(kept)
+        node.slots = [s for s, _ in kept]
+        node.positions = _compact([p for _, p in kept], len(node.tokens))
+        self.num_cached_slots -= removed
+        self.num_evictable_slots -= removed
+        return removed
 
     # -- eviction -----------------------------------------------------------------------
     @property
@@ -137,15 +210,34 @@ class RadixCache:
         return best
 
     def entries(self) -> list[tuple[int, int]]:
-        """(tokens, resident slots) of every cached leaf path, for listings."""
-        out, stack = [], [(self.root, 0)]
+        """(logical tokens, resident slots) of every cached leaf path, for listings."""
+        out, stack = [], [(self.root, 0, 0)]
         while stack:
-            node, depth = stack.pop()
+            node, depth, resident = stack.pop()
             depth += len(node.tokens)
+            resident += len(node.slots)
             if not node.children and node is not self.root:
-                out.append((depth, depth))
-            stack.extend((c, depth) for c in node.children.values())
+                out.append((depth, resident))
+            stack.extend((c, depth, resident) for c in node.children.values())
         return out
+
+
+def _offsets(node: _Node) -> list[int]:
+    return list(range(len(node.slots))) if node.positions is None else node.positions
+
+
+def _compact(positions: list[int], length: int) -> list[int] | None:
+    """None when every token of a `length`-token node has its slot (no pruning)."""
+    return None if len(positions) == length else positions
+
+
+def _duplicates(node: _Node, mine: list[int], offset: int) -> list[int]:
+    """Of a sequence's slots for node tokens offset.., those the node does not share."""
+    if node.positions is None:
+        theirs = node.slots[offset : offset + len(mine)]
+        return [s for s, c in zip(mine, theirs) if s != c]
+    held = set(node.slots)
+    return [s for s in mine if s not in held]
 
 
 def _common(a: list[int], tokens: list[int], pos: int) -> int:

@@ -201,6 +201,7 @@ class ModelRunner:
         """Forget a sequence's method state and table row (and its generator unless it
         will resume after a preemption)."""
         self.method.release(seq_id)
+        self.kv.forget(seq_id)
         self.tables.release(seq_id)
         if not keep_generator:
             self.generators.pop(seq_id, None)

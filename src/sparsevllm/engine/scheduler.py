@@ -134,10 +134,9 @@ class Scheduler:
         if not self.pool.has(seq.seq_id):
             return self._release(seq)
         slots = self.pool.detach(seq.seq_id)
-        n = seq.num_computed_tokens
-        duplicates = self.prefix_cache.insert(seq.token_slice(0, n), slots[:n])
-        self.pool.free_slots(duplicates + slots[n:])
         node = self._cache_nodes.pop(seq.seq_id, None)
+        tokens = seq.token_slice(0, seq.num_computed_tokens)
+        self.pool.free_slots(self.prefix_cache.adopt(tokens, slots, node))
         if node is not None:
             self.prefix_cache.unlock(node)
 
@@ -147,13 +146,16 @@ class Scheduler:
             return 0
         # At least one token must be computed: its logits give the next token.
         slots, node = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1))
-        if not slots:
+        # A pruned prefix holds fewer slots than tokens: count its tokens (positions
+        # stay logical), read its slots.
+        cached = self.prefix_cache.depth(node)
+        if not cached:
             return 0
         self.prefix_cache.lock(node)
         self._cache_nodes[seq.seq_id] = node
         self.pool.attach(seq.seq_id, slots)
-        seq.num_computed_tokens = len(slots)
-        return len(slots)
+        seq.num_computed_tokens = cached
+        return cached
 
     # -- the step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sparsevllm.server.async_engine import AsyncEngine, EngineClosed
-from sparsevllm.server.cache import cache_listing
+from sparsevllm.server.cache import CachePruneRequest, cache_listing, prune_cache
 from sparsevllm.server.chat import create_chat_completion
 from sparsevllm.server.completions import create_completion
 from sparsevllm.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN
@@ -157,6 +157,10 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
             return await ctx.engine.call(cache_listing)
         except EngineClosed as e:
             raise APIError(503, str(e), type="service_unavailable") from None
+
+    @router.post("/cache/prune")
+    async def cache_prune(request: Request) -> dict[str, Any]:
+        return await prune_cache(ctx, await parse_body(request, CachePruneRequest))
 
     @router.post("/completions", response_model=None)
     async def completions(request: Request) -> Response:

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from sparsevllm.engine.chain_cache import ChainBusyError
 from sparsevllm.outputs import RequestOutput
+from sparsevllm.server.cache import persist_chains
 from sparsevllm.server.metrics import ServerMetrics
 from sparsevllm.server.requests import (  # noqa: F401 (re-exported)
     ChainBusy,
@@ -196,6 +197,7 @@ class AsyncEngine:
                 self._fail_all("internal engine error")
                 time.sleep(_IDLE_WAIT_S)
         self._refuse_leftovers()
+        persist_chains(self._engine)  # idle chains go to the disk tier, for the next server
         logger.info("engine worker stopped")
 
     def _refuse_leftovers(self) -> None:

@@ -15,6 +15,8 @@ The host (runner, scheduler) asks a method what it needs and never which method 
 - `after_step`: look at the step's scores and keys, and physically evict through
   `KVAccess` (the freed slots return to the pool at once).
 - `release`: forget a sequence's state (finished, aborted or preempted).
+- `on_compressed`, `export_state`, `import_state`: keep per-token state aligned when
+  an idle chain is pruned, and save/restore it for the disk tier.
 
 A score-based eviction method subclasses `ScoreEviction` and writes one `score(...)`.
 """
@@ -156,6 +158,21 @@ class SparseMethod:
 
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state."""
+
+    # -- cross-request state (pruning, the disk tier) ---------------------------------
+    def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
+        """The view of `layer` kept only `keep` (`[num_kv_heads, B]` view positions,
+        ascending per head): per-token state must follow (also called by pruning)."""
+
+    def export_state(self, seq_id: int) -> dict[str, torch.Tensor]:
+        """Per-sequence state an idle chain needs to continue, as host tensors (the disk
+        tier saves it). A method with such state overrides this and `import_state`."""
+        return {}
+
+    def import_state(
+        self, seq_id: int, state: dict[str, torch.Tensor], device: torch.device
+    ) -> None:
+        """Take back what `export_state` returned (possibly in a later engine)."""
 
 
 def gqa_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -62,3 +62,11 @@ class H2O(ScoreEviction):
 
     def release(self, seq_id: int) -> None:
         self._acc.pop(seq_id, None)
+
+    def export_state(self, seq_id: int) -> dict[str, torch.Tensor]:
+        return {str(layer): acc.cpu() for layer, acc in self._acc.get(seq_id, {}).items()}
+
+    def import_state(
+        self, seq_id: int, state: dict[str, torch.Tensor], device: torch.device
+    ) -> None:
+        self._acc[seq_id] = {int(layer): acc.to(device) for layer, acc in state.items()}
