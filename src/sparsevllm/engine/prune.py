@@ -211,6 +211,13 @@ def _prune_prefix(
     engine: Any, tokens: list[int], ranges: list[tuple[int, int]], method: str, keep_ratio: float
 ) -> PruneResult:
     cache, runner, cfg = engine.prefix_cache, engine.runner, engine.config
+    if runner.sliding_layers:
+        # Sliding layers share the radix group's view, whose last `window` entries would
+        # then span more than `window` tokens: the model would read another context.
+        raise ValueError(
+            "pruning a radix-cached prefix is not supported on models with sliding-window "
+            "layers; use an eviction method (chain cache) to prune such histories"
+        )
     _, node = cache.match(tokens)
     length = cache.depth(node)
     if length == 0:

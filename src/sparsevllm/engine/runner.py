@@ -66,6 +66,7 @@ class ModelRunner:
         )
         # Sparse methods manage the full-attention layers; sliding ones keep their window.
         sliding = [layer for layer, _ in self._sliding_layers()]
+        self.sliding_layers = sliding
         managed = [layer for layer in range(self.num_layers) if layer not in sliding]
         self.method = create_method(
             config, self.num_layers, self.num_kv_heads, managed if sliding else None
