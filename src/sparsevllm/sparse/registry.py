@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sparsevllm.config import EngineConfig
@@ -28,6 +29,10 @@ class MethodSpec:
     prefill_policy: str = "all_chunked"
     prefix_cache: bool = False  # storage stays a plain prefix: radix reuse is exact
     chain_cache: bool = False  # evicted state can continue a conversation
+    # The EngineConfig field that bounds the tokens a layer keeps (eviction) or reads
+    # (selection), sink and recent included; None: the method keeps the full context.
+    # See `budget_overrides`.
+    budget_knob: str | None = None
 
 
 _M = "sparsevllm.sparse."
@@ -47,6 +52,7 @@ METHODS: dict[str, MethodSpec] = {
             _M + "streamingllm:StreamingLLM",
             "keep attention sinks + a recent window; evict the rest in prefill and decode",
             ("sink_keep_tokens", "recent_keep_tokens"),
+            budget_knob="recent_keep_tokens",
             chain_cache=True,
         ),
         MethodSpec(
@@ -56,6 +62,7 @@ METHODS: dict[str, MethodSpec] = {
             "at prefill end keep sink + recent + the tokens the last prompt queries "
             "attend to most, per KV head",
             (*_BUDGET, "snapkv_window_size", "snapkv_pool_kernel_size"),
+            budget_knob="decode_keep_tokens",
             chain_cache=True,
         ),
         MethodSpec(
@@ -64,6 +71,7 @@ METHODS: dict[str, MethodSpec] = {
             _M + "pyramidkv:PyramidKV",
             "SnapKV scoring with budgets shrinking from lower to upper layers",
             (*_BUDGET, "snapkv_window_size", "snapkv_pool_kernel_size", "pyramidkv_beta"),
+            budget_knob="decode_keep_tokens",
             prefill_policy="long_bs1full_short_batch",
             chain_cache=True,
         ),
@@ -78,6 +86,7 @@ METHODS: dict[str, MethodSpec] = {
                 "h2o_decode_budget",
                 "h2o_decode_eviction_interval",
             ),
+            budget_knob="h2o_decode_budget",
             chain_cache=True,
         ),
         MethodSpec(
@@ -86,6 +95,7 @@ METHODS: dict[str, MethodSpec] = {
             _M + "tova:TOVA",
             "evict the tokens the current query attends to least (head average)",
             ("decode_keep_tokens",),
+            budget_knob="decode_keep_tokens",
             chain_cache=True,
         ),
         MethodSpec(
@@ -94,6 +104,7 @@ METHODS: dict[str, MethodSpec] = {
             _M + "knorm:KNorm",
             "keep the keys with the lowest L2 norm (query-agnostic), per KV head",
             _BUDGET,
+            budget_knob="decode_keep_tokens",
             chain_cache=True,
         ),
         MethodSpec(
@@ -102,6 +113,7 @@ METHODS: dict[str, MethodSpec] = {
             _M + "omnikv:OmniKV",
             "dense storage; full-attention layers pick the tokens later layers read",
             ("decode_keep_tokens", "full_attention_layers"),
+            budget_knob="decode_keep_tokens",
             prefix_cache=True,
         ),
         MethodSpec(
@@ -110,6 +122,7 @@ METHODS: dict[str, MethodSpec] = {
             _M + "quest:Quest",
             "page min/max keys; decode reads only the pages the query scores highest",
             ("decode_keep_tokens", "quest_chunk_size", "quest_skip_layers"),
+            budget_knob="decode_keep_tokens",
             prefix_cache=True,
         ),
     ]
@@ -164,6 +177,43 @@ def resolve_prefill_policy(method: str, explicit: str | None) -> str:
     return explicit
 
 
+def budget_overrides(
+    method: str, budget: int, config_defaults: Mapping[str, Any] | None = None
+) -> dict[str, int]:
+    """EngineConfig overrides that give `method` a KV budget of `budget` tokens per layer.
+
+    The method's `budget_knob` gets the budget; for streamingllm, whose budget knob is
+    `recent_keep_tokens`, that is `budget - sink_keep_tokens`. `decode_keep_tokens` (the
+    config's generic "KV budget per layer") is set to the budget too, so the config's
+    `sink + recent <= decode_keep_tokens` check holds for every method. Sink and recent
+    come from `config_defaults` (default: EngineConfig's), clamped so that together they
+    never exceed the budget; at least one recent token stays when the budget is tiny.
+    PyramidKV reads the budget as its mean over layers; OmniKV's full-attention layers
+    and Quest's first `quest_skip_layers` layers read the whole context by design.
+    """
+    spec = method_spec(method)
+    if spec.budget_knob is None:
+        raise ValueError(f"{spec.name} keeps the whole context: it has no KV budget knob")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be a positive integer, got {budget!r}")
+    if config_defaults is None:
+        from sparsevllm.config import EngineConfig
+
+        config_defaults = EngineConfig.knob_defaults()
+    sink = min(int(config_defaults["sink_keep_tokens"]), budget - 1)
+    if spec.budget_knob == "recent_keep_tokens":
+        recent = budget - sink
+    else:
+        recent = min(int(config_defaults["recent_keep_tokens"]), budget - sink)
+    overrides = {
+        "sink_keep_tokens": sink,
+        "recent_keep_tokens": recent,
+        "decode_keep_tokens": budget,
+    }
+    overrides.setdefault(spec.budget_knob, budget)
+    return overrides
+
+
 def create_method(
     config: EngineConfig,
     num_layers: int,
@@ -187,6 +237,7 @@ def methods_table() -> list[dict[str, object]]:
             "prefill_policy": s.prefill_policy,
             "aliases": sorted(a for a, t in ALIASES.items() if t == s.name),
             "knobs": {k: defaults[k] for k in s.knobs},
+            "budget_knob": s.budget_knob,
             "prefix_cache": s.prefix_cache,
             "chain_cache": s.chain_cache,
             "description": s.description,

@@ -1,0 +1,158 @@
+"""The quality grid: tasks x lengths x samples x methods x compression ratios.
+
+A compression ratio r keeps (1 - r) of the context: a method's KV budget is
+`round((1 - r) * length)` tokens per layer (`Cell.budget`), which the registry's
+`budget_overrides` maps onto the method's knobs. Vanilla keeps everything: it runs once,
+at ratio 0. The budget is an engine-wide knob, so every (method, ratio, length) is one
+engine (`Cell`); vanilla's one engine serves every length.
+
+Sample i of a (task, length) uses seed `seed + i` and, for needle tasks, the depth
+`i / (n - 1)` (0.5 for a single sample); the aggregation tasks take no depth.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sparsevllm.bench.quality import TASKS
+from sparsevllm.sparse.registry import METHODS, canonical_method_name
+
+DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
+DEFAULT_LENGTHS = (4096,)
+DEFAULT_RATIOS = (0.5, 0.75, 0.9)
+DEFAULT_SAMPLES = 20
+DEPTHLESS_TASKS = frozenset({"common_words_extraction", "frequent_words_extraction"})
+
+Key = tuple[str, float, str, int, int]  # a record's identity: (method, ratio, task, length, seed)
+KEY_FIELDS = ("method", "ratio", "task", "length", "seed")
+
+
+def make_key(method: str, ratio: float, task: str, length: int, seed: int) -> Key:
+    """A record key; the ratio is rounded so that keys survive a JSON round trip."""
+    return (method, round(float(ratio), 6), task, int(length), int(seed))
+
+
+def describe(key: Key) -> str:
+    """`method=snapkv, ratio=0.5, task=..., length=..., seed=...` for error messages."""
+    return ", ".join(f"{name}={value}" for name, value in zip(KEY_FIELDS, key))
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One engine: a method at a compression ratio for one length (None: every length)."""
+
+    method: str
+    ratio: float
+    length: int | None
+
+    def budget(self, length: int) -> int | None:
+        """KV budget in tokens per layer for prompts of `length`; None: the full context."""
+        if METHODS[self.method].budget_knob is None:
+            return None
+        return max(1, round((1.0 - self.ratio) * length))
+
+    @property
+    def label(self) -> str:
+        """Short name for the progress bar."""
+        at = "" if self.length is None else f" len={self.length}"
+        return f"{self.method} r={self.ratio:g}{at}"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to run, with canonical names (build it with `make_grid`)."""
+
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    samples: int
+    methods: tuple[str, ...]
+    ratios: tuple[float, ...]
+    seed: int = 0
+
+    def depths(self, task: str) -> list[float | None]:
+        """Depth of each sample of `task`: evenly over [0, 1]; None for depthless tasks."""
+        if task in DEPTHLESS_TASKS:
+            return [None] * self.samples
+        if self.samples == 1:
+            return [0.5]
+        return [i / (self.samples - 1) for i in range(self.samples)]
+
+    def seeds(self) -> list[int]:
+        """Seeds of the samples: seed, seed + 1, ..."""
+        return [self.seed + i for i in range(self.samples)]
+
+    def cells(self) -> list[Cell]:
+        """The engines to run, in order: vanilla once, every other method per ratio and length."""
+        out: list[Cell] = []
+        for method in self.methods:
+            if METHODS[method].budget_knob is None:
+                out.append(Cell(method, 0.0, None))
+            else:
+                out += [Cell(method, r, n) for r in self.ratios for n in self.lengths]
+        return out
+
+    def cell_keys(self, cell: Cell) -> list[Key]:
+        """The records a cell produces."""
+        lengths = self.lengths if cell.length is None else (cell.length,)
+        return [
+            make_key(cell.method, cell.ratio, task, length, seed)
+            for task in self.tasks
+            for length in lengths
+            for seed in self.seeds()
+        ]
+
+
+def closest_names(given: Iterable[str], valid: Sequence[str], what: str) -> list[str]:
+    """Check names against `valid`; an unknown name is an error naming the closest valid one."""
+    out = []
+    for name in given:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.0)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown {what} {name!r}{hint} (valid: {', '.join(valid)})")
+        out.append(name)
+    return out
+
+
+def _method_name(name: str) -> str:
+    """Canonical method name; unknown names fail naming the closest method."""
+    try:
+        return canonical_method_name(name)
+    except ValueError:
+        closest_names([name], list(METHODS), "method")  # raises, naming the closest one
+        raise
+
+
+def make_grid(
+    tasks: Sequence[str] | None = None,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    samples: int = DEFAULT_SAMPLES,
+    methods: Sequence[str] | None = None,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    seed: int = 0,
+) -> Grid:
+    """Validate a grid: task names (`all`: every task), method names or aliases (default:
+    every registered method), positive lengths and samples, ratios in (0, 1)."""
+    task_list = list(DEFAULT_TASKS if tasks is None else tasks)
+    if task_list == ["all"]:
+        task_list = list(TASKS)
+    task_list = closest_names(task_list, list(TASKS), "task")
+    method_list = list(METHODS) if methods is None else [_method_name(m) for m in methods]
+    if not task_list or not method_list or not lengths:
+        raise ValueError("the grid needs at least one task, method and length")
+    if samples < 1 or any(int(n) < 1 for n in lengths):
+        raise ValueError(f"samples and lengths must be positive, got {samples} and {list(lengths)}")
+    if not all(0.0 < float(r) < 1.0 for r in ratios):
+        raise ValueError(f"compression ratios must lie in (0, 1), got {list(ratios)}")
+    if not ratios and any(METHODS[m].budget_knob for m in method_list):
+        raise ValueError("sparse methods need at least one compression ratio")
+    return Grid(
+        tasks=tuple(dict.fromkeys(task_list)),
+        lengths=tuple(dict.fromkeys(int(n) for n in lengths)),
+        samples=int(samples),
+        methods=tuple(dict.fromkeys(method_list)),
+        ratios=tuple(dict.fromkeys(float(r) for r in ratios)),
+        seed=int(seed),
+    )

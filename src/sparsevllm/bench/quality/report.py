@@ -1,0 +1,191 @@
+"""The quality report: per-cell accuracy, run metadata, a markdown table and a plot."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from collections.abc import Sequence
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sparsevllm.bench.quality.grid import Grid, Key, make_key
+
+if TYPE_CHECKING:
+    from sparsevllm.bench.quality.runner import RunSettings
+
+BUDGET_RULE = "budget = round((1 - ratio) * length) KV tokens per layer; vanilla: ratio 0"
+
+
+def aggregate(grid: Grid, records: dict[Key, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (method, ratio, task, length): mean score over the samples present."""
+    rows = []
+    for cell in grid.cells():
+        for length in grid.lengths if cell.length is None else (cell.length,):
+            for task in grid.tasks:
+                keys = [make_key(cell.method, cell.ratio, task, length, s) for s in grid.seeds()]
+                recs = [records[k] for k in keys if k in records]
+                n = len(recs)
+                rows.append(
+                    {
+                        "method": cell.method,
+                        "ratio": cell.ratio,
+                        "task": task,
+                        "length": length,
+                        "budget": cell.budget(length),
+                        "num_samples": n,
+                        "accuracy": sum(r["score"] for r in recs) / n if n else None,
+                        "exact_match": sum(r["correct"] for r in recs) / n if n else None,
+                        "mean_prompt_tokens": sum(r["num_tokens"] for r in recs) / n if n else None,
+                    }
+                )
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean accuracy of each (method, ratio) over its tasks and lengths."""
+    groups: dict[tuple[str, float], list[float]] = {}
+    for row in rows:
+        scores = groups.setdefault((row["method"], row["ratio"]), [])
+        if row["accuracy"] is not None:
+            scores.append(row["accuracy"])
+    return [
+        {"method": m, "ratio": r, "accuracy": sum(s) / len(s) if s else None}
+        for (m, r), s in groups.items()
+    ]
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of the software that produced the numbers."""
+    import torch
+    import transformers
+
+    import sparsevllm
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(sparsevllm.__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "sparsevllm": sparsevllm.__version__,
+        "git_commit": commit or None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def build_report(
+    grid: Grid,
+    settings: RunSettings,
+    records: dict[Key, dict[str, Any]],
+    timings: list[dict[str, Any]],
+    started: float,
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """The aggregate JSON: metadata, per-cell rows and the per-(method, ratio) summary."""
+    from sparsevllm.bench.quality.runner import ANSWER_SEP, ENGINE_DEFAULTS
+
+    rows = aggregate(grid, records)
+    engine = {**ENGINE_DEFAULTS, **settings.engine}
+    metadata = {
+        "model": settings.model,
+        "dtype": timings[0]["dtype"] if timings else engine.get("dtype", "auto"),
+        "device": timings[0]["device"] if timings else engine.get("device", "auto"),
+        "engine": engine,
+        "grid": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items()},
+        "chat": settings.chat,
+        "answer_sep": ANSWER_SEP,
+        "max_tokens": settings.max_tokens or "per task",
+        "decoding": "greedy",
+        "budget_rule": BUDGET_RULE,
+        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": elapsed_s,
+        "num_records": sum(r["num_samples"] for r in rows),
+        "engines_run": timings,
+        "versions": versions(),
+    }
+    return {"metadata": metadata, "results": rows, "summary": summarize(rows)}
+
+
+def _pct(value: float | None) -> str:
+    """Accuracy as a percentage with one decimal; `-` when missing."""
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """Accuracy (%) per method and ratio (rows) and task, per length when there are several."""
+    grid = report["metadata"]["grid"]
+    several = len(grid["lengths"]) > 1
+    columns = [(t, n) for n in grid["lengths"] for t in grid["tasks"]]
+    names = [f"{t} @{n}" if several else t for t, n in columns]
+    acc = {
+        (r["method"], r["ratio"], r["task"], r["length"]): r["accuracy"] for r in report["results"]
+    }
+    lines = [
+        "| method | ratio | " + " | ".join(names) + " | mean |",
+        "|---|---:|" + "---:|" * (len(names) + 1),
+    ]
+    for s in report["summary"]:
+        m, r = s["method"], s["ratio"]
+        cells = [_pct(acc.get((m, r, t, n))) for t, n in columns]
+        lines.append(f"| {m} | {r:g} | " + " | ".join(cells) + f" | {_pct(s['accuracy'])} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    """Accuracy vs compression ratio: one subplot per task (and length), one line per
+    method, vanilla as a dashed horizontal reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = report["metadata"]["grid"]
+    tasks, lengths = grid["tasks"], grid["lengths"]
+    fig, axes = plt.subplots(
+        len(lengths), len(tasks), figsize=(4.2 * len(tasks), 3.4 * len(lengths)), squeeze=False
+    )
+    for i, length in enumerate(lengths):
+        for j, task in enumerate(tasks):
+            rows = [r for r in report["results"] if r["task"] == task and r["length"] == length]
+            _plot_panel(axes[i][j], rows, grid["ratios"])
+            axes[i][j].set_title(f"{task} ({length} tokens)", fontsize=10)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5) or 1, fontsize=9)
+    model = Path(str(report["metadata"]["model"])).name
+    fig.suptitle(f"long-context quality vs KV compression: {model}")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_panel(ax: Any, rows: list[dict[str, Any]], ratios: Sequence[float]) -> None:
+    """One task and length: a line per sparse method, vanilla as a dashed line."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for method in methods:
+        points = sorted(
+            (r["ratio"], r["accuracy"])
+            for r in rows
+            if r["method"] == method and r["accuracy"] is not None
+        )
+        if not points:
+            continue
+        if all(r["budget"] is None for r in rows if r["method"] == method):
+            ax.axhline(points[0][1], color="black", linestyle="--", label=method)
+        else:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", label=method)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xticks(sorted({0.0, *ratios}))
+    ax.set_xlabel("compression ratio")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
