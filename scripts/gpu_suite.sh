@@ -20,6 +20,20 @@ for part in "$@"; do
          --variants vanilla:nocache vanilla:radix snapkv:chain \
          --json "$OUT/multiturn_h200_llama3_8b.json" --plot "$OUT/multiturn_h200_llama3_8b.png" \
          | tail -4 ;;
+    gguf-part)
+      # The Gemma-3-270M GGUF (253 MB) travels in 4 parts, one per call (64 MiB limit):
+      # split -n 4 -d gemma-3-270m-q4_k_m.gguf .gguf_parts/part; carry .gguf_parts/partNN.
+      mkdir -p /tmp/g && cp .gguf_parts/part* /tmp/g/ && ls -la /tmp/g ;;
+    quality)
+      # Issue 7: Gemma-3-270M at 4K, every method at ratios 0.5/0.75/0.9 (needs .whl/gguf).
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+      cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf && md5sum /tmp/g/*.gguf
+      PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
+         --model /tmp/g/gemma-3-270m-q4_k_m.gguf --lengths 4096 --samples 20 \
+         --tasks niah_single,niah_multikey,variable_tracking --ratios 0.5,0.75,0.9 \
+         --max-num-seqs 64 --enforce-eager --no-progress \
+         --json "$OUT/quality_gemma3_270m_4k.json" --plot "$OUT/quality_gemma3_270m_4k.png" \
+         | tail -40 ;;
     dense)
       $M --prompt-len 8192 --output-len 128 --batch-size 32 --max-model-len 8448 \
          --compare hf --json "$OUT/dense_b32_8k_vs_hf.json" | tail -3

@@ -40,6 +40,9 @@ class Counting:
     def stats(self) -> dict[str, Any]:
         return self.llm.stats()
 
+    def close(self) -> None:
+        self.llm.close()
+
     def generate(self, prompts: list[list[int]], params: Any, use_tqdm: bool = True) -> list:
         type(self).calls += 1
         outputs = self.llm.generate(prompts, params, use_tqdm)
