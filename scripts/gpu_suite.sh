@@ -21,12 +21,16 @@ for part in "$@"; do
          --json "$OUT/multiturn_h200_llama3_8b.json" --plot "$OUT/multiturn_h200_llama3_8b.png" \
          | tail -4 ;;
     gguf-part)
-      # The Gemma-3-270M GGUF (253 MB) travels in 4 parts, one per call (64 MiB limit):
-      # split -n 4 -d gemma-3-270m-q4_k_m.gguf .gguf_parts/part; carry .gguf_parts/partNN.
-      mkdir -p /tmp/g && cp .gguf_parts/part* /tmp/g/ && ls -la /tmp/g ;;
+      # The Gemma-3-270M GGUF (253 MB) travels in 6 parts, one per call (64 MiB limit):
+      # split -n 6 -d gemma-3-270m-q4_k_m.gguf .gguf_parts/part; carry .gguf_parts/partNN,
+      # and .whl once: gguf 0.19 and transformers 5.24 (5.17's GGUF converter garbles
+      # Gemma 3's tokenizer: models/gguf_loader.py refuses it).
+      mkdir -p /tmp/g && cp .gguf_parts/part* /tmp/g/ && ls -la /tmp/g
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+      fi ;;
     quality)
-      # Issue 7: Gemma-3-270M at 4K, every method at ratios 0.5/0.75/0.9 (needs .whl/gguf).
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+      # Issue 7: Gemma-3-270M at 4K, every method at ratios 0.5/0.75/0.9.
       cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf && md5sum /tmp/g/*.gguf
       PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
          --model /tmp/g/gemma-3-270m-q4_k_m.gguf --lengths 4096 --samples 20 \

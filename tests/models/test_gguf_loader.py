@@ -317,3 +317,29 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     for fn in (load_gguf_state_dict, load_gguf_config):
         with pytest.raises(ValueError, match="'phi3'.*gemma3, llama, qwen2, qwen3"):
             fn(str(path))
+
+
+class _FakeTokenizer:
+    """A vocabulary with whole-word pieces and an encoder that does or does not use them."""
+
+    def __init__(self, merges: bool) -> None:
+        self.words = ["the", "and", "of", "is", "for", "in", "to", "number"]
+        self.vocab = {"\u2581" + w: i + 100 for i, w in enumerate(self.words)}
+        self.vocab.update({c: ord(c) for c in "abcdefghijklmnopqrstuvwxyz"})
+        self.merges = merges
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.merges:
+            return [self.vocab["\u2581" + w] for w in text.split()]
+        return [ord(c) for c in text.replace(" ", "")]
+
+
+def test_tokenizer_with_broken_merges_is_refused() -> None:
+    from sparsevllm.models.gguf_loader import check_tokenizer_merges
+
+    check_tokenizer_merges(_FakeTokenizer(merges=True), "ok.gguf")
+    with pytest.raises(ValueError, match="garbled"):
+        check_tokenizer_merges(_FakeTokenizer(merges=False), "broken.gguf")

@@ -345,4 +345,35 @@ def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
 def _load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     """Build a fast HF tokenizer (with the chat template, if any) from GGUF metadata."""
     dirname, basename = _split(path)
-    return transformers.AutoTokenizer.from_pretrained(dirname, gguf_file=basename)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(dirname, gguf_file=basename)
+    check_tokenizer_merges(tokenizer, basename)
+    return tokenizer
+
+
+# Common English words: a vocabulary that holds " word" as one piece must encode it so.
+_PROBE_WORDS = ("the", "and", "of", "is", "for", "in", "to", "number")
+_SPACE_MARKS = ("\u2581", "\u0120")  # SentencePiece's and byte-level BPE's space markers
+
+
+def check_tokenizer_merges(tokenizer: transformers.PreTrainedTokenizerBase, name: str) -> None:
+    """Refuse a tokenizer that does not produce its own vocabulary's word pieces.
+
+    Some transformers releases (5.17 was seen) build Gemma 3's GGUF tokenizer with broken
+    merges: text round-trips, but " the" becomes several sub-word ids the model never saw
+    in training, so every prompt reaches the model garbled and answers degrade silently.
+    """
+    vocab = tokenizer.get_vocab()
+    expected = []
+    for word in _PROBE_WORDS:
+        piece = next((m + word for m in _SPACE_MARKS if m + word in vocab), None)
+        if piece is None:
+            return  # an unusual vocabulary: the probe does not apply
+        expected.append(vocab[piece])
+    got = tokenizer.encode(" " + " ".join(_PROBE_WORDS), add_special_tokens=False)
+    if got != expected:
+        raise ValueError(
+            f"the tokenizer that transformers {transformers.__version__} builds from {name} "
+            f"encodes {' '.join(_PROBE_WORDS)!r} as {got} instead of its vocabulary's own "
+            f"pieces {expected}: prompts would reach the model garbled. Use a transformers "
+            "release whose GGUF converter handles this model (5.24 does)."
+        )
