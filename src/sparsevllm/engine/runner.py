@@ -219,7 +219,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, batch)  # [T, hidden]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
-        self.method.after_step(steps, batch.scores, batch.kv)
+        self.method.after_step(steps, batch.row_scores(), batch.kv)
         self._trim_windows(steps)
         sampled = [s for s in sched.scheduled if s.samples]
         if not sampled:
@@ -292,17 +292,21 @@ class ModelRunner:
                 table = pool.table(seq.seq_id, g)
                 slot_rows[g].extend(table[-n:])
                 view_lens[g].append(len(table))
+        score_rows = [self.method.score_rows(st) for st in steps]
+        decode = [int(st.is_decode) for st in steps]
         # One host-to-device copy for all per-step integers, split on the device.
-        parts = [ids, positions, logits_rows, rows, q_starts, *slot_rows, *view_lens]
+        parts = [ids, positions, logits_rows, rows, q_starts, score_rows, decode]
+        parts += [*slot_rows, *view_lens]
         packed = self._to_device([v for part in parts for v in part])
         pieces = list(torch.split(packed, [len(p) for p in parts]))
-        t_ids, t_pos, t_logits, t_rows, t_qs = pieces[:5]
+        t_ids, t_pos, t_logits, t_rows, t_qs, t_score_rows, t_decode = pieces[:7]
+        pieces = pieces[7:]
         num_groups = pool.num_groups
         batch = ForwardBatch(
             positions=t_pos,
             q_starts=q_starts[:-1],
             q_lens=[s.num_new_tokens for s in sched.scheduled],
-            slot_mapping=torch.stack(pieces[5 : 5 + num_groups]),
+            slot_mapping=torch.stack(pieces[:num_groups]),
             tables=self.tables.table,
             rows=rows,
             view_lens=view_lens,
@@ -310,14 +314,17 @@ class ModelRunner:
             logits_indices=t_logits,
             backend=self.backend,
             rows_t=t_rows.int(),
-            view_lens_t=torch.stack(pieces[5 + num_groups :]).int(),
+            view_lens_t=torch.stack(pieces[num_groups:]).int(),
             q_starts_t=t_qs.int(),
-            score_rows=[self.method.score_rows(st) for st in steps],
+            decode_t=t_decode.bool(),
+            score_rows_t=t_score_rows.int(),
+            score_rows=score_rows,
             score_layers=self.method.score_layers,
-            select_view=self.method.select_view,
+            select_views=self.method.select_views,
             steps=steps,
             kv=self.kv,
         )
+        self.method.begin_step(batch)
         return batch, t_ids, steps
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
