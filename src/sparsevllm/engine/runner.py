@@ -54,6 +54,13 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf)
         self.window_groups = self._window_groups(max_model_len)
         windowed = {layer for w in self.window_groups for layer in w.layers}
+        # Sparse methods manage the full-attention layers; sliding ones keep their window.
+        sliding = [layer for layer, _ in self._sliding_layers()]
+        self.sliding_layers = sliding
+        managed = [layer for layer in range(self.num_layers) if layer not in sliding]
+        self.method = create_method(
+            config, self.num_layers, self.num_kv_heads, managed if sliding else None
+        )
         self.num_slots = self._decide_num_slots(max_model_len)
         self.k_cache, self.v_cache = [], []
         for layer in range(self.num_layers):
@@ -63,13 +70,6 @@ class ModelRunner:
             self.v_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.backend = get_backend_class(default_backend_name(self.device))(
             self.k_cache, self.v_cache
-        )
-        # Sparse methods manage the full-attention layers; sliding ones keep their window.
-        sliding = [layer for layer, _ in self._sliding_layers()]
-        self.sliding_layers = sliding
-        managed = [layer for layer in range(self.num_layers) if layer not in sliding]
-        self.method = create_method(
-            config, self.num_layers, self.num_kv_heads, managed if sliding else None
         )
         if windowed:
             logger.info(
@@ -160,6 +160,7 @@ class ModelRunner:
         )
         main_layers = self.num_layers - sum(len(w.layers) for w in self.window_groups)
         main_bytes = max(main_layers, 1) * self._layer_bytes_per_slot
+        main_bytes += self.method.state_bytes_per_slot(self._layer_bytes_per_slot)
         if cfg.kv_cache_memory_gb is None and self.device.type != "cuda":
             # Enough for every sequence at full length, but never more than 1 GiB.
             budget = window_bytes + min(

@@ -73,8 +73,19 @@ class KVAccess(Protocol):
 
     num_layers: int
     num_kv_heads: int
+    num_slots: int  # slots of a full-attention layer's KV tensor
 
     def resident(self, seq_id: int, layer: int) -> int: ...
+
+    def view_slots(
+        self, seq_id: int, layer: int, start: int = 0, end: int | None = None
+    ) -> list[int]:
+        """Slot ids of view positions [start, end) at `layer` (host list)."""
+        ...
+
+    def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K of device slot ids `[...]` at `layer`: `[..., num_kv_heads, head_dim]`."""
+        ...
 
     def group_of(self, layer: int) -> int:
         """The pool group that holds `layer`."""
@@ -138,6 +149,11 @@ class SparseMethod:
         """Resident slots per layer once prefill is over (what a decoding request holds
         at most): the steady state that bounds how many requests decode at once."""
         return self.max_resident(prompt_len, max_tokens)
+
+    def state_bytes_per_slot(self, kv_bytes_per_layer_slot: int) -> float:
+        """Device bytes of method state per KV slot (sized with the pool, so the pool
+        leaves room for it); `kv_bytes_per_layer_slot`: one slot's K+V at one layer."""
+        return 0.0
 
     def knobs(self) -> dict[str, Any]:
         """The method's knob values, for reports."""
