@@ -9,82 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsevllm.attention.backend import ForwardBatch
+from select_helpers import HKV, HQ, NO_SINK, D, SlotKV, check_row, make_batch
 from sparsevllm.config import EngineConfig
-from sparsevllm.sparse.base import SeqStep, SparseMethod, pack_views
+from sparsevllm.sparse.base import SparseMethod, pack_views
 from sparsevllm.sparse.omnikv import OmniKV
 from sparsevllm.sparse.quest import Quest, batched_page_scores, page_scores
-
-HQ, HKV, D = 8, 2, 16
-NO_SINK = {"sink_keep_tokens": 0, "recent_keep_tokens": 0}
-
-
-class SlotKV:
-    """KVAccess over per-layer slot tensors and per-sequence slot lists (one group)."""
-
-    def __init__(self, num_layers: int, num_slots: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.num_layers, self.num_kv_heads, self.num_slots = num_layers, HKV, num_slots
-        self.k = [torch.randn(num_slots, HKV, D, generator=g) for _ in range(num_layers)]
-        self.free = torch.randperm(num_slots, generator=g).tolist()
-        self.views: dict[int, list[int]] = {}
-
-    def grow(self, seq: int, n: int = 1, prefix: list[int] | None = None) -> None:
-        view = self.views.setdefault(seq, list(prefix or []))
-        view.extend(self.free.pop() for _ in range(n))
-
-    def resident(self, seq: int, layer: int) -> int:
-        return len(self.views[seq])
-
-    def view_slots(self, seq: int, layer: int, start: int = 0, end: int | None = None):
-        return self.views[seq][start:end]
-
-    def keys(self, seq: int, layer: int, start: int = 0, end: int | None = None):
-        return self.k[layer][torch.tensor(self.views[seq][start:end], dtype=torch.long)]
-
-    def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.k[layer][slots]
-
-
-def make_batch(kv: SlotKV, rows: list[tuple[int, int, bool]], num_rows: int = 8, max_len=128):
-    """A one-query-per-row ForwardBatch: (seq_id, table row, is_decode) per sequence; the
-    view is kv.views[seq] (its last entry is the new token)."""
-    lens = [len(kv.views[s]) for s, _, _ in rows]
-    table = torch.full((1, num_rows, max_len), -1, dtype=torch.int32)
-    steps = []
-    for i, ((seq, row, decode), n) in enumerate(zip(rows, lens)):
-        table[0, row, :n] = torch.tensor(kv.views[seq], dtype=torch.int32)
-        steps.append(SeqStep(seq, i, n - 1, 1, n - 1 if decode else n))
-    s = len(rows)
-    return ForwardBatch(
-        positions=torch.tensor([n - 1 for n in lens]),
-        q_starts=list(range(s)),
-        q_lens=[1] * s,
-        slot_mapping=torch.zeros(1, s, dtype=torch.long),
-        tables=table,
-        rows=[r for _, r, _ in rows],
-        view_lens=[lens],
-        group_of_layer=[0] * kv.num_layers,
-        logits_indices=torch.arange(s),
-        backend=None,
-        rows_t=torch.tensor([r for _, r, _ in rows], dtype=torch.int32),
-        view_lens_t=torch.tensor([lens], dtype=torch.int32),
-        decode_t=torch.tensor([d for _, _, d in rows]),
-        score_rows=[int(d) for _, _, d in rows],
-        score_rows_t=torch.tensor([int(d) for _, _, d in rows], dtype=torch.int32),
-        steps=steps,
-        kv=kv,
-    )
-
-
-def check_row(subset, lens, i, ref, context):
-    """Row i of a batched selection reads exactly what select_view's `ref` says."""
-    n = int(lens[i])
-    if ref is None:  # whole view: either lens -1 or the context in order
-        assert n == -1 or subset[i, :, :n].tolist() == [list(range(context))] * HKV
-        return
-    ref = ref.expand(HKV, -1) if ref.dim() == 1 else ref
-    assert subset[i, :, :n].tolist() == ref.tolist()
 
 
 # -- the default hook ---------------------------------------------------------------------
