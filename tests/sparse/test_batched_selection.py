@@ -11,6 +11,7 @@ import torch
 
 from select_helpers import HKV, HQ, NO_SINK, D, SlotKV, check_row, make_batch
 from sparsevllm.config import EngineConfig
+from sparsevllm.sparse import quest_pages
 from sparsevllm.sparse.base import SparseMethod, pack_views
 from sparsevllm.sparse.omnikv import OmniKV
 from sparsevllm.sparse.quest import Quest, batched_page_scores, page_scores
@@ -166,7 +167,8 @@ def test_quest_batched_matches_per_row_over_decode(seed, budget, size):
     assert m.pages.pages_in_use() == 0 and m._pages == {}
 
 
-def test_quest_page_pool_grows_and_rows_move():
+def test_quest_page_pool_grows_and_rows_move(monkeypatch):
+    monkeypatch.setattr(quest_pages, "_CHUNK_PAGES", 3)  # bounds computed in several gathers
     m, kv = quest(8, 4), SlotKV(3, 64, 3)  # 64 slots -> a first pool of 16 + 8 pages
     kv.grow(0, 30)
     kv.grow(1, 20)
@@ -214,3 +216,16 @@ def test_engine_batched_path_equals_per_row_path(tiny_model_factory, method, mon
     monkeypatch.setattr(cls, "select_views", SparseMethod.select_views)
     monkeypatch.setattr(cls, "begin_step", SparseMethod.begin_step)
     assert run() == batched
+
+
+def test_quest_page_pool_is_reserved_with_the_kv_pool(tiny_model_factory):
+    from sparsevllm import LLM
+
+    model = tiny_model_factory("llama4")
+    common = dict(kv_cache_memory_gb=0.01, quest_chunk_size=4, quest_skip_layers=1)
+    dense = LLM(model, sparse_method="vanilla", kv_cache_memory_gb=0.01).engine.runner
+    runner = LLM(model, sparse_method="quest", **common).engine.runner
+    # 3 sparse layers of 4: bounds cost 3 / 4 of one layer's K+V per slot.
+    per_slot = dense.kv_bytes_per_slot
+    assert runner.num_slots == int(0.01 * 2**30 // (per_slot + 3 * per_slot / 4 / 4))
+    assert runner.method.state_bytes_per_slot(per_slot // 4) == 3 * per_slot / 4 / 4

@@ -27,6 +27,10 @@ from sparsevllm.sparse.base import KVAccess
 
 logger = logging.getLogger(__name__)
 
+# Pages whose bounds are computed per gather: 4096 pages of 16 keys of 8 x 128 bf16 gather
+# 128 MiB per layer at once.
+_CHUNK_PAGES = 4096
+
 
 class QuestPages:
     def __init__(self, layers: tuple[int, ...], page_size: int) -> None:
@@ -121,13 +125,16 @@ class QuestPages:
         self._free.extend(range(size - 1, old - 1, -1))
 
     def _compute(self, kv: KVAccess, new: list, device: torch.device) -> None:
-        """Bounds of new pages at every sparse layer: one gather + min/max per layer."""
-        ids = _upload([page for page, _ in new], device)  # [N]
-        slots = _upload([s for _, key in new for s in key], device).view(len(new), -1)
-        for layer in self.layers:
-            keys = kv.gather_keys(layer, slots)  # [N, size, Hkv, D]
-            lo, hi = torch.aminmax(keys, dim=1)  # 2 x [N, Hkv, D]
-            self.bounds[layer][ids] = torch.stack([lo, hi], dim=1)
+        """Bounds of new pages at every sparse layer: one gather + min/max per layer (in
+        chunks, so a batch entering decode after long prompts stays within memory)."""
+        for start in range(0, len(new), _CHUNK_PAGES):
+            part = new[start : start + _CHUNK_PAGES]
+            ids = _upload([page for page, _ in part], device)  # [N]
+            slots = _upload([s for _, key in part for s in key], device).view(len(part), -1)
+            for layer in self.layers:
+                keys = kv.gather_keys(layer, slots)  # [N, size, Hkv, D]
+                lo, hi = torch.aminmax(keys, dim=1)  # 2 x [N, Hkv, D]
+                self.bounds[layer][ids] = torch.stack([lo, hi], dim=1)
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:
