@@ -19,6 +19,9 @@ from sparsevllm.sparse.base import SeqStep, SparseMethod
 
 class OmniKV(SparseMethod):
     name = "omnikv"
+    # Still eager: the picks read the full layers' decode scores, a buffer as wide as the
+    # step's longest view (a graph would need it max_model_len wide), and steps that
+    # request scores are never replayed from a graph.
     uses_decode_view = True
 
     def __init__(self, *args, **kwargs) -> None:

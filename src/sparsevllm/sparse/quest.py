@@ -28,6 +28,9 @@ _ACTIVE = "quest_sparse"  # method_cache key: some decode row of the step needs 
 
 class Quest(SparseMethod):
     name = "quest"
+    # Still eager: select_views itself is sync-free with config/shape-sized outputs, but
+    # the graph's static batch does not carry its inputs (decode_t, the page state) and
+    # the page pool may be reallocated when it grows, which a captured graph would miss.
     uses_decode_view = True
 
     def __init__(self, *args, **kwargs) -> None:
