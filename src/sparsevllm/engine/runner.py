@@ -184,6 +184,7 @@ class ModelRunner:
         is unusable afterwards); used before another engine runs in the same process."""
         self.k_cache.clear()
         self.v_cache.clear()
+        self.method.free_device_memory()
         self.graphs = None
         self.backend = None
         if weights:

@@ -202,6 +202,9 @@ class SparseMethod:
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state."""
 
+    def free_device_memory(self) -> None:
+        """Drop device buffers shared by all sequences (the engine is being torn down)."""
+
     # -- cross-request state (pruning, the disk tier) ---------------------------------
     def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
         """The view of `layer` kept only `keep` (`[num_kv_heads, B]` view positions,

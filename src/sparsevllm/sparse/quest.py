@@ -111,6 +111,10 @@ class Quest(SparseMethod):
         if self.pages is not None:
             self.pages.release(seq_id)
 
+    def free_device_memory(self) -> None:
+        if self.pages is not None:
+            self.pages = QuestPages(self.pages.layers, self.pages.page_size)
+
 
 def page_scores(
     q: torch.Tensor, pmin: torch.Tensor, pmax: torch.Tensor, num_kv_heads: int
