@@ -77,7 +77,7 @@ def make_pool(
 
 
 def random_subset(lens: list[int], num_kv_heads: int, cap: int, seed: int):
-    """Per-head ascending context positions (< L - 1), varied counts incl. 0 and `cap`."""
+    """Per-head ascending context positions (< L - 1), varied counts incl. 0, `cap`, -1."""
     gen = torch.Generator().manual_seed(seed)
     subset = torch.zeros(len(lens), num_kv_heads, cap, dtype=torch.int32)
     counts = []
@@ -86,7 +86,7 @@ def random_subset(lens: list[int], num_kv_heads: int, cap: int, seed: int):
         for h in range(num_kv_heads):
             pick = torch.randperm(n - 1, generator=gen)[:count].sort().values
             subset[s, h, :count] = pick.to(torch.int32)
-        counts.append(count)
+        counts.append(-1 if s % 4 == 3 else count)  # -1: the whole view, no subset
     return subset.to(DEVICE), torch.tensor(counts, dtype=torch.int32, device=DEVICE)
 
 
@@ -101,7 +101,7 @@ def decode_reference(q, k_cache, v_cache, table, rows, lens, scale, subset=None,
     for s in range(num_seqs):
         n = int(lens[s])
         view = table[int(rows[s]), :n].long()
-        if subset is None:
+        if subset is None or int(counts[s]) < 0:
             positions = torch.arange(n, device=q.device).expand(num_kv_heads, n)
             k, v = kc[view], vc[view]
         else:

@@ -38,16 +38,24 @@ class ForwardBatch:
     rows_t: torch.Tensor | None = None  # [S] int32
     view_lens_t: torch.Tensor | None = None  # [G, S] int32
     q_starts_t: torch.Tensor | None = None  # [S + 1] int32
+    # Per sequence: a generation step (SeqStep.is_decode) and its score_rows, on device.
+    decode_t: torch.Tensor | None = None  # [S] bool
+    score_rows_t: torch.Tensor | None = None  # [S] int32
     # Sparse-method requests (see sparse/base.py). score_rows[i] > 0 asks for the summed
-    # attention probabilities of sequence i's last score_rows[i] queries, written to
-    # scores[layer][i] as [num_heads, L_i], at score_layers (None: every layer).
+    # attention probabilities of sequence i's last score_rows[i] queries over its view, at
+    # score_layers (None: every layer): per row in scores[layer][i] as [num_heads, L_i], or,
+    # from the decode kernel, for the whole batch in step_scores[layer] as [S, num_heads, W]
+    # (W >= every view length; zero past a row's view). Read them through `row_scores` /
+    # `dense_scores`, which accept either form.
     score_rows: list[int] = field(default_factory=list)
     score_layers: frozenset[int] | None = None
     scores: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
-    # select_view(layer, i, q_i [num_heads, head_dim], batch) -> context positions a
-    # decode query reads ([B] or [num_kv_heads, B]), or None for the whole view.
-    select_view: Callable[..., torch.Tensor | None] | None = None
-    # Read-only context for select_view: the methods' per-sequence step records
+    step_scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    # select_views(layer, q [S, num_heads, head_dim], batch) -> (subset [S, Hkv, B] int32,
+    # lens [S] int32) context positions each sequence's single query reads, or None for
+    # the whole views (the contract is SparseMethod.select_views).
+    select_views: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # Read-only context for select_views: the methods' per-sequence step records
     # (sparse.base.SeqStep) and the runner's KVAccess.
     steps: list[Any] = field(default_factory=list)
     kv: Any = None
@@ -79,6 +87,37 @@ class ForwardBatch:
 
     def put_scores(self, layer: int, i: int, value: torch.Tensor) -> None:
         self.scores.setdefault(layer, [None] * self.num_seqs)[i] = value
+
+    def put_step_scores(self, layer: int, value: torch.Tensor) -> None:
+        """The decode kernel's probabilities of every sequence: `[S, num_heads, W]`."""
+        self.step_scores[layer] = value
+
+    def row_scores(self) -> dict[int, list[torch.Tensor | None]]:
+        """`[layer][i]` -> `[num_heads, L_i]` where requested (None elsewhere): what
+        `SparseMethod.after_step` receives. Rows of step_scores are views, valid for the
+        step only (a method that keeps them must copy)."""
+        out = {layer: list(rows) for layer, rows in self.scores.items()}
+        for layer, dense in self.step_scores.items():
+            rows = out.setdefault(layer, [None] * self.num_seqs)
+            group = self.group_of_layer[layer]
+            for i in range(self.num_seqs):
+                if self.wants_scores(layer, i):
+                    rows[i] = dense[i, :, : self.view_lens[group][i]]
+        return out
+
+    def dense_scores(self, layer: int) -> torch.Tensor:
+        """`[S, num_heads, W]` probabilities at a score layer, zero past each row's view
+        and for rows that did not ask (per-row scores are padded and stacked)."""
+        if layer in self.step_scores:
+            return self.step_scores[layer]
+        rows = self.scores[layer]
+        ref = next(r for r in rows if r is not None)
+        width = max(r.shape[-1] for r in rows if r is not None)
+        out = ref.new_zeros((self.num_seqs, ref.shape[0], width), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            if r is not None:
+                out[i, :, : r.shape[-1]] = r
+        return out
 
 
 class AttentionBackend(abc.ABC):

@@ -30,6 +30,7 @@ class TorchRefBackend(AttentionBackend):
         k_cache[slots] = k.to(k_cache.dtype)
         v_cache[slots] = v.to(v_cache.dtype)
         out = torch.empty_like(q)
+        picks = _selection(layer, q, batch) if window is None else None
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
             view = batch.view(group, i)
             # Sparse methods leave sliding-window layers alone: no scores, no selection.
@@ -39,8 +40,8 @@ class TorchRefBackend(AttentionBackend):
                 view = view[-(n - 1 + window) :]
             q_i = q[start : start + n]
             selected = None
-            if n == 1 and batch.select_view is not None and window is None:
-                selected = batch.select_view(layer, i, q_i[0], batch)
+            if picks is not None and n == 1 and picks[1][i] >= 0:
+                selected = picks[0][i, :, : picks[1][i]].long()  # [Hkv, B_i]
             if selected is None:
                 k_i, v_i = k_cache[view], v_cache[view]
             else:
@@ -51,6 +52,22 @@ class TorchRefBackend(AttentionBackend):
                     raise RuntimeError("scores over a selected view are not supported")
                 batch.put_scores(layer, i, attention_mass(q_i[-rows:], k_i, scale, window))
         return out
+
+
+def _selection(
+    layer: int, q: torch.Tensor, batch: ForwardBatch
+) -> tuple[torch.Tensor, list[int]] | None:
+    """The method's batched selection for the sequences with a single new query (their
+    last query stands for all: rows with more queries ignore it); lens on the host."""
+    if batch.select_views is None or 1 not in batch.q_lens:
+        return None
+    last = [start + n - 1 for start, n in zip(batch.q_starts, batch.q_lens)]
+    q_last = q[torch.tensor(last, device=q.device)]  # [S, Hq, D]
+    picked = batch.select_views(layer, q_last, batch)
+    if picked is None:
+        return None
+    subset, lens = picked
+    return subset, lens.tolist()
 
 
 def gather_selected(

@@ -3,7 +3,7 @@
 Pure decode batches use the split-K decode kernel (capturable in a CUDA graph);
 batches with prefill chunks use the varlen prefill kernel. Sparse-method requests
 are served here too: decode scores come from the decode kernel's probability output,
-logical views become a per-KV-head index subset; prefill observation scores (once
+logical views come batched from the method as a per-KV-head index subset; prefill observation scores (once
 per prefill) use the reference computation on the gathered view. Sliding-window
 layers pass their window to both kernels; sparse methods leave them alone (no logical
 views, no scores).
@@ -41,7 +41,9 @@ class TritonBackend(AttentionBackend):
             subset = subset_lens = None
             want = [0] * batch.num_seqs
             if window is None:
-                subset, subset_lens = self._subsets(layer, q, batch)
+                if batch.select_views is not None:
+                    # One batched call per layer: [S, Hkv, B] positions and [S] counts.
+                    subset, subset_lens = batch.select_views(layer, q, batch) or (None, None)
                 want = [batch.wants_scores(layer, i) for i in range(batch.num_seqs)]
             scores = None
             if any(want):
@@ -68,11 +70,9 @@ class TritonBackend(AttentionBackend):
                 window=window,
             )
             if scores is not None:
-                for i, w in enumerate(want):
-                    if w:
-                        # A copy: a view would keep every layer's whole buffer alive.
-                        row = scores[i, :, : batch.view_lens[group][i]].clone()
-                        batch.put_scores(layer, i, row)
+                # Kept whole for the step: methods read it batched (dense_scores) or per
+                # row (row_scores, views), with no per-row copies here.
+                batch.put_step_scores(layer, scores)
             return out
         prefill_attention(
             q,
@@ -95,31 +95,3 @@ class TritonBackend(AttentionBackend):
                 q_i = q[start : start + n][-rows:]
                 batch.put_scores(layer, i, attention_mass(q_i, k_cache[view], scale))
         return out
-
-    @staticmethod
-    def _subsets(
-        layer: int, q: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Ask the method for each sequence's logical view; pack as `[S, Hkv, B]`."""
-        if batch.select_view is None:
-            return None, None
-        picks = [batch.select_view(layer, i, q[i], batch) for i in range(batch.num_seqs)]
-        if all(p is None for p in picks):
-            return None, None
-        hkv = batch.kv.num_kv_heads
-        group = batch.group_of_layer[layer]
-        width = max(
-            (p.shape[-1] if p is not None else batch.view_lens[group][i] - 1)
-            for i, p in enumerate(picks)
-        )
-        subset = torch.zeros((len(picks), hkv, max(width, 1)), dtype=torch.int32, device=q.device)
-        lens = []
-        for i, p in enumerate(picks):
-            if p is None:  # read everything: positions 0 .. L-2 (the last is always read)
-                n = batch.view_lens[group][i] - 1
-                subset[i, :, :n] = torch.arange(n, device=q.device, dtype=torch.int32)
-            else:
-                n = p.shape[-1]
-                subset[i, :, :n] = p.to(torch.int32).expand(hkv, n)
-            lens.append(n)
-        return subset, torch.tensor(lens, dtype=torch.int32, device=q.device)

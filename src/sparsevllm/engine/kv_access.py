@@ -41,6 +41,18 @@ class RunnerKV:
     def resident(self, seq_id: int, layer: int) -> int:
         return len(self._table(seq_id, layer))
 
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    def view_slots(
+        self, seq_id: int, layer: int, start: int = 0, end: int | None = None
+    ) -> list[int]:
+        return self._table(seq_id, layer)[start:end]
+
+    def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return self.k_cache[layer][slots]  # [..., Hkv, D]
+
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         slots = torch.tensor(self._table(seq_id, layer)[start:end], device=self.device)
         return self.k_cache[layer][slots]  # [n, Hkv, D]

@@ -54,6 +54,13 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf)
         self.window_groups = self._window_groups(max_model_len)
         windowed = {layer for w in self.window_groups for layer in w.layers}
+        # Sparse methods manage the full-attention layers; sliding ones keep their window.
+        sliding = [layer for layer, _ in self._sliding_layers()]
+        self.sliding_layers = sliding
+        managed = [layer for layer in range(self.num_layers) if layer not in sliding]
+        self.method = create_method(
+            config, self.num_layers, self.num_kv_heads, managed if sliding else None
+        )
         self.num_slots = self._decide_num_slots(max_model_len)
         self.k_cache, self.v_cache = [], []
         for layer in range(self.num_layers):
@@ -63,13 +70,6 @@ class ModelRunner:
             self.v_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.backend = get_backend_class(default_backend_name(self.device))(
             self.k_cache, self.v_cache
-        )
-        # Sparse methods manage the full-attention layers; sliding ones keep their window.
-        sliding = [layer for layer, _ in self._sliding_layers()]
-        self.sliding_layers = sliding
-        managed = [layer for layer in range(self.num_layers) if layer not in sliding]
-        self.method = create_method(
-            config, self.num_layers, self.num_kv_heads, managed if sliding else None
         )
         if windowed:
             logger.info(
@@ -160,6 +160,7 @@ class ModelRunner:
         )
         main_layers = self.num_layers - sum(len(w.layers) for w in self.window_groups)
         main_bytes = max(main_layers, 1) * self._layer_bytes_per_slot
+        main_bytes += self.method.state_bytes_per_slot(self._layer_bytes_per_slot)
         if cfg.kv_cache_memory_gb is None and self.device.type != "cuda":
             # Enough for every sequence at full length, but never more than 1 GiB.
             budget = window_bytes + min(
@@ -183,6 +184,7 @@ class ModelRunner:
         is unusable afterwards); used before another engine runs in the same process."""
         self.k_cache.clear()
         self.v_cache.clear()
+        self.method.free_device_memory()
         self.graphs = None
         self.backend = None
         if weights:
@@ -219,7 +221,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, batch)  # [T, hidden]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
-        self.method.after_step(steps, batch.scores, batch.kv)
+        self.method.after_step(steps, batch.row_scores(), batch.kv)
         self._trim_windows(steps)
         sampled = [s for s in sched.scheduled if s.samples]
         if not sampled:
@@ -292,17 +294,21 @@ class ModelRunner:
                 table = pool.table(seq.seq_id, g)
                 slot_rows[g].extend(table[-n:])
                 view_lens[g].append(len(table))
+        score_rows = [self.method.score_rows(st) for st in steps]
+        decode = [int(st.is_decode) for st in steps]
         # One host-to-device copy for all per-step integers, split on the device.
-        parts = [ids, positions, logits_rows, rows, q_starts, *slot_rows, *view_lens]
+        parts = [ids, positions, logits_rows, rows, q_starts, score_rows, decode]
+        parts += [*slot_rows, *view_lens]
         packed = self._to_device([v for part in parts for v in part])
         pieces = list(torch.split(packed, [len(p) for p in parts]))
-        t_ids, t_pos, t_logits, t_rows, t_qs = pieces[:5]
+        t_ids, t_pos, t_logits, t_rows, t_qs, t_score_rows, t_decode = pieces[:7]
+        pieces = pieces[7:]
         num_groups = pool.num_groups
         batch = ForwardBatch(
             positions=t_pos,
             q_starts=q_starts[:-1],
             q_lens=[s.num_new_tokens for s in sched.scheduled],
-            slot_mapping=torch.stack(pieces[5 : 5 + num_groups]),
+            slot_mapping=torch.stack(pieces[:num_groups]),
             tables=self.tables.table,
             rows=rows,
             view_lens=view_lens,
@@ -310,14 +316,17 @@ class ModelRunner:
             logits_indices=t_logits,
             backend=self.backend,
             rows_t=t_rows.int(),
-            view_lens_t=torch.stack(pieces[5 + num_groups :]).int(),
+            view_lens_t=torch.stack(pieces[num_groups:]).int(),
             q_starts_t=t_qs.int(),
-            score_rows=[self.method.score_rows(st) for st in steps],
+            decode_t=t_decode.bool(),
+            score_rows_t=t_score_rows.int(),
+            score_rows=score_rows,
             score_layers=self.method.score_layers,
-            select_view=self.method.select_view,
+            select_views=self.method.select_views,
             steps=steps,
             kv=self.kv,
         )
+        self.method.begin_step(batch)
         return batch, t_ids, steps
 
     def _to_device(self, values: list[int]) -> torch.Tensor:

@@ -10,8 +10,18 @@ The host (runner, scheduler) asks a method what it needs and never which method 
 - `max_resident`: worst-case resident slots per layer of a request, for admission.
 - `score_rows`: how many of a sequence's newest query rows should report their
   attention probabilities this step (observation windows, H2O, TOVA, OmniKV).
-- `select_view`: a per-step logical subset of the view a decode query reads (OmniKV,
-  Quest); storage is untouched.
+- `begin_step`: host-side upkeep before the forward (device state that the selection
+  reads, e.g. Quest's page bounds); the only place a method may look at host data of
+  the step before attention runs.
+- `select_views`: per layer, one batched call for the whole step: the logical subset of
+  its view each sequence's single query reads (OmniKV, Quest), as `subset [S, Hkv, B]`
+  int32 context positions (the view minus the new token, ascending per KV head; the new
+  token is always read on top) and `lens [S]` int32 (row s reads `subset[s, h,
+  :lens[s]]`; `lens[s] < 0`: its whole view; entries past lens[s] are unspecified).
+  Storage is untouched. An override keeps B a function of config and shapes only and
+  never synchronises with the host (no `.item()`, `.tolist()`, `.cpu()` or shapes
+  taken from data), so a decode step can run inside a CUDA graph. The default packs the
+  per-row `select_view` (host loop), which stays the reference definition.
 - `after_step`: look at the step's scores and keys, and physically evict through
   `KVAccess` (the freed slots return to the pool at once).
 - `release`: forget a sequence's state (finished, aborted or preempted).
@@ -63,8 +73,19 @@ class KVAccess(Protocol):
 
     num_layers: int
     num_kv_heads: int
+    num_slots: int  # slots of a full-attention layer's KV tensor
 
     def resident(self, seq_id: int, layer: int) -> int: ...
+
+    def view_slots(
+        self, seq_id: int, layer: int, start: int = 0, end: int | None = None
+    ) -> list[int]:
+        """Slot ids of view positions [start, end) at `layer` (host list)."""
+        ...
+
+    def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K of device slot ids `[...]` at `layer`: `[..., num_kv_heads, head_dim]`."""
+        ...
 
     def group_of(self, layer: int) -> int:
         """The pool group that holds `layer`."""
@@ -92,7 +113,7 @@ class SparseMethod:
 
     name: ClassVar[str] = ""
     per_layer_groups: ClassVar[bool] = False
-    # True when select_view may narrow what a decode query reads (the host then runs
+    # True when select_view(s) may narrow what a decode query reads (the host then runs
     # the decode step eagerly, outside a CUDA graph).
     uses_decode_view: ClassVar[bool] = False
     score_layers: frozenset[int] | None = None  # None: every layer reports scores
@@ -129,6 +150,11 @@ class SparseMethod:
         at most): the steady state that bounds how many requests decode at once."""
         return self.max_resident(prompt_len, max_tokens)
 
+    def state_bytes_per_slot(self, kv_bytes_per_layer_slot: int) -> float:
+        """Device bytes of method state per KV slot (sized with the pool, so the pool
+        leaves room for it); `kv_bytes_per_layer_slot`: one slot's K+V at one layer."""
+        return 0.0
+
     def knobs(self) -> dict[str, Any]:
         """The method's knob values, for reports."""
         from sparsevllm.sparse.registry import method_knobs
@@ -139,12 +165,29 @@ class SparseMethod:
     def score_rows(self, step: SeqStep) -> int:
         return 0
 
+    def begin_step(self, batch: ForwardBatch) -> None:
+        """Before the forward (host side): prepare what `select_views` reads."""
+
     def select_view(
         self, layer: int, row: int, q: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor | None:
         """Positions of the context (view minus the new token) a decode query reads:
         `[B]` for every head or `[num_kv_heads, B]` per head; None reads everything."""
         return None
+
+    def select_views(
+        self, layer: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Batched `select_view` (see the module docstring): q `[S, Hq, D]` is each
+        sequence's last query; rows with several new queries are ignored by backends.
+        Returns (subset `[S, Hkv, B]` int32, lens `[S]` int32) or None (all read all)."""
+        picks = [
+            self.select_view(layer, i, q[i], batch) if batch.q_lens[i] == 1 else None
+            for i in range(len(batch.q_lens))
+        ]
+        if all(p is None for p in picks):
+            return None
+        return pack_views(picks, self.num_kv_heads, q.device)
 
     # -- after the forward ------------------------------------------------------------
     def after_step(
@@ -158,6 +201,9 @@ class SparseMethod:
 
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state."""
+
+    def free_device_memory(self) -> None:
+        """Drop device buffers shared by all sequences (the engine is being torn down)."""
 
     # -- cross-request state (pruning, the disk tier) ---------------------------------
     def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
@@ -173,6 +219,24 @@ class SparseMethod:
         self, seq_id: int, state: dict[str, torch.Tensor], device: torch.device
     ) -> None:
         """Take back what `export_state` returned (possibly in a later engine)."""
+
+
+def pack_views(
+    picks: list[torch.Tensor | None], num_kv_heads: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row `select_view` results -> (subset `[S, Hkv, B]` int32, lens `[S]` int32);
+    None (read everything) becomes lens -1. B is the widest pick (host-side packing)."""
+    width = max([p.shape[-1] for p in picks if p is not None] + [1])
+    subset = torch.zeros((len(picks), num_kv_heads, width), dtype=torch.int32, device=device)
+    lens = []
+    for i, p in enumerate(picks):
+        if p is None:
+            lens.append(-1)
+            continue
+        n = p.shape[-1]
+        subset[i, :, :n] = p.to(device=device, dtype=torch.int32).expand(num_kv_heads, n)
+        lens.append(n)
+    return subset, torch.tensor(lens, dtype=torch.int32, device=device)
 
 
 def gqa_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -4,6 +4,10 @@ At decode, the layers in `full_attention_layers` attend to the whole context; th
 decode query's attention there (averaged over heads) picks the top
 `decode_keep_tokens` tokens, and every following layer up to the next full layer
 reads only those tokens. Nothing is evicted, so prefix caching stays exact.
+
+`select_view` (per row) is the reference definition; the engine calls `select_views`,
+which picks for the whole batch on the device from the full layer's `[S, Hq, W]`
+probabilities (head mean, masked top-k), with no host synchronisation.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from sparsevllm.sparse.base import SeqStep, SparseMethod
 
 class OmniKV(SparseMethod):
     name = "omnikv"
+    # Still eager: the picks read the full layers' decode scores, a buffer as wide as the
+    # step's longest view (a graph would need it max_model_len wide), and steps that
+    # request scores are never replayed from a graph.
     uses_decode_view = True
 
     def __init__(self, *args, **kwargs) -> None:
@@ -44,6 +51,48 @@ class OmniKV(SparseMethod):
             attn = batch.scores[source][row]  # [num_heads, L]; the last column is the query
             picked[(source, row)] = omnikv_pick(attn, self.config.decode_keep_tokens)
         return picked[(source, row)]
+
+    def select_views(self, layer, q, batch):
+        # Host lists only: a step where nobody decodes (or a full layer) reads everything.
+        if layer in self.score_layers or not any(batch.score_rows):
+            return None
+        source = max(f for f in self.full_layers if f < layer)
+        key = ("omnikv", source)  # the picks of a full layer serve all its followers
+        if key not in batch.method_cache:
+            context = batch.view_lens_t[batch.group_of_layer[source]] - 1  # [S]
+            batch.method_cache[key] = omnikv_picks(
+                batch.dense_scores(source),
+                context,
+                batch.score_rows_t,
+                self.config.decode_keep_tokens,
+            )
+        positions, lens = batch.method_cache[key]  # [S, B], [S]
+        # Every KV head reads the same tokens: a stride-0 head axis, no copy.
+        return positions.unsqueeze(1).expand(-1, self.num_kv_heads, -1), lens
+
+
+def omnikv_picks(
+    probs: torch.Tensor, context: torch.Tensor, wants: torch.Tensor, budget: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched `omnikv_pick`, device-side: top-`budget` context positions per row.
+
+    probs `[S, Hq, W]` (a row's columns past its view are ignored), context `[S]` (view
+    length - 1), wants `[S]` (score_rows: 0 reads the whole view). Returns (positions
+    `[S, budget]` int32 ascending, lens `[S]` int32): rows whose context fits the budget
+    read positions 0 .. context - 1; rows that did not ask get lens -1.
+    """
+    avg = probs.float().mean(dim=1)  # [S, W]
+    if avg.shape[1] < budget:  # short views: pad so top-k always has `budget` columns
+        avg = torch.nn.functional.pad(avg, (0, budget - avg.shape[1]), value=float("-inf"))
+    cols = torch.arange(avg.shape[1], device=avg.device)  # [W']
+    # The query's own column and everything past it never compete.
+    avg = avg.masked_fill(cols >= context.unsqueeze(1), float("-inf"))
+    top = avg.topk(budget, dim=-1).indices.sort(dim=-1).values  # [S, budget]
+    fits = context <= budget  # [S]
+    positions = torch.where(fits.unsqueeze(1), cols[:budget], top).to(torch.int32)
+    lens = torch.where(fits, context, torch.full_like(context, budget))
+    lens = torch.where(wants > 0, lens, torch.full_like(lens, -1)).to(torch.int32)
+    return positions, lens
 
 
 def omnikv_pick(attn: torch.Tensor, budget: int) -> torch.Tensor | None:

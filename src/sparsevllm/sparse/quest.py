@@ -7,6 +7,13 @@ summed over the query heads of each KV head, and reads only the best pages withi
 `decode_keep_tokens` (the newest, partly filled page always included). The first
 `quest_skip_layers` (full-attention) layers and all prefill stay dense; storage is
 never touched.
+
+`select_view` (per row, with a per-sequence page cache) is the reference definition.
+The engine runs the batched path: `begin_step` (host side) brings the shared page pool
+and page table up to date for the step's decode rows (`quest_pages.QuestPages`), then
+`select_views` scores every row's pages, takes a masked top-k and expands it to
+positions on the device, with no host synchronisation and a width fixed by the config
+(decode_keep_tokens, or quest_chunk_size - 1 if larger: the tail is always read whole).
 """
 
 from __future__ import annotations
@@ -14,10 +21,16 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.sparse.base import SparseMethod
+from sparsevllm.sparse.quest_pages import QuestPages
+
+_ACTIVE = "quest_sparse"  # method_cache key: some decode row of the step needs pages
 
 
 class Quest(SparseMethod):
     name = "quest"
+    # Still eager: select_views itself is sync-free with config/shape-sized outputs, but
+    # the graph's static batch does not carry its inputs (decode_t, the page state) and
+    # the page pool may be reallocated when it grows, which a captured graph would miss.
     uses_decode_view = True
 
     def __init__(self, *args, **kwargs) -> None:
@@ -25,6 +38,43 @@ class Quest(SparseMethod):
         # (seq_id, layer) -> (page_min, page_max), each [P, Hkv, D], full pages only
         self._pages: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._dense_layers = frozenset(self.layers[: self.config.quest_skip_layers])
+        sparse = tuple(la for la in self.layers if la not in self._dense_layers)
+        self.pages = QuestPages(sparse, self.config.quest_chunk_size) if sparse else None
+
+    def state_bytes_per_slot(self, kv_bytes_per_layer_slot: int) -> float:
+        # Per sparse layer a page of `size` slots keeps two key rows (min, max): the
+        # bytes of one slot's K and V.
+        n = len(self.pages.layers) if self.pages else 0
+        return n * kv_bytes_per_layer_slot / self.config.quest_chunk_size
+
+    def begin_step(self, batch):
+        if self.pages is None:
+            return
+        size, budget = self.config.quest_chunk_size, self.config.decode_keep_tokens
+        group = batch.group_of_layer[self.pages.layers[0]]
+        need = []  # (seq_id, table row, full pages) of decode rows past the budget
+        for i, step in enumerate(batch.steps):
+            context = batch.view_lens[group][i] - 1
+            if step.is_decode and batch.q_lens[i] == 1 and context > budget:
+                need.append((step.seq_id, batch.rows[i], context // size))
+        batch.method_cache[_ACTIVE] = bool(need)
+        if need:
+            _, rows, max_len = batch.tables.shape
+            shape = (rows, max_len // size)
+            self.pages.update(batch.kv, need, shape, batch.rows_t.device)
+
+    def select_views(self, layer, q, batch):
+        # Host flag from begin_step: a step with no row past the budget reads everything.
+        if layer in self._dense_layers or not batch.method_cache.get(_ACTIVE, False):
+            return None
+        size = self.config.quest_chunk_size
+        context = batch.view_lens_t[batch.group_of_layer[layer]] - 1  # [S]
+        table = self.pages.table[batch.rows_t.long()]  # [S, P] page ids
+        full = torch.div(context, size, rounding_mode="floor")  # [S] full pages
+        scores = batched_page_scores(q, self.pages.bounds[layer], table, full)  # [S, Hkv, P]
+        subset, lens = quest_views(scores, context, size, self.config.decode_keep_tokens)
+        # Prefill rows (a one-token chunk) read their whole view.
+        return subset, torch.where(batch.decode_t, lens, torch.full_like(lens, -1))
 
     def select_view(self, layer, row, q, batch):
         step = batch.steps[row]
@@ -58,6 +108,12 @@ class Quest(SparseMethod):
     def release(self, seq_id: int) -> None:
         for key in [k for k in self._pages if k[0] == seq_id]:
             del self._pages[key]
+        if self.pages is not None:
+            self.pages.release(seq_id)
+
+    def free_device_memory(self) -> None:
+        if self.pages is not None:
+            self.pages = QuestPages(self.pages.layers, self.pages.page_size)
 
 
 def page_scores(
@@ -82,3 +138,65 @@ def quest_positions(
     offsets = torch.arange(size, device=scores.device)
     pos = (pages.unsqueeze(-1) * size + offsets).reshape(hkv, n_pages * size)
     return torch.cat([pos, tail.to(pos.device).expand(hkv, -1)], dim=-1)
+
+
+def batched_page_scores(
+    q: torch.Tensor, bounds: torch.Tensor, table: torch.Tensor, full: torch.Tensor
+) -> torch.Tensor:
+    """`page_scores` for a batch: q `[S, Hq, D]`, bounds `[capacity, 2, Hkv, D]` (min,
+    max), table `[S, P]` page ids, full `[S]` valid pages -> `[S, Hkv, P]` float32,
+    -inf past each row's `full`.
+
+    max(q_d * lo_d, q_d * hi_d) = relu(q_d) * hi_d + min(q_d, 0) * lo_d as lo <= hi, so
+    the G query heads of a KV head fold into two `[D]` vectors before touching pages.
+    """
+    s, hq, d = q.shape
+    hkv = bounds.shape[2]
+    qg = q.float().view(s, hkv, hq // hkv, d)  # [S, Hkv, G, D]
+    q_pos = qg.clamp(min=0).sum(dim=2)  # [S, Hkv, D]
+    q_neg = qg.clamp(max=0).sum(dim=2)
+    if q.is_cuda:  # the pool read through the page table, without a gathered copy
+        from sparsevllm.attention.triton.quest import quest_batch_scores
+
+        return quest_batch_scores(q_pos, q_neg, bounds, table, full)
+    pages = bounds[table.long()].float()  # [S, P, 2, Hkv, D]
+    scores = torch.einsum("shd,sphd->shp", q_pos, pages[:, :, 1])
+    scores += torch.einsum("shd,sphd->shp", q_neg, pages[:, :, 0])
+    valid = torch.arange(table.shape[1], device=q.device) < full.unsqueeze(1)  # [S, P]
+    return scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+
+
+def quest_views(
+    scores: torch.Tensor, context: torch.Tensor, size: int, budget: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched `quest_positions` with select_view's budget rule, device-side.
+
+    scores `[S, Hkv, P]` (-inf past each row's full pages), context `[S]`. Row s reads
+    its best n_s = min(full_s, (budget - tail_s) // size) pages ascending, then its tail
+    (the partial newest page); a context within the budget reads everything. Returns
+    (subset `[S, Hkv, max(budget, size - 1)]` int32, lens `[S]` int32); entries past
+    lens are unspecified.
+    """
+    s, hkv, num_pages = scores.shape
+    full = torch.div(context, size, rounding_mode="floor")  # [S]
+    tail = context - full * size
+    n_pages = torch.minimum((budget - tail).div(size, rounding_mode="floor").clamp(min=0), full)
+    taken = (n_pages * size).view(s, 1, 1)  # [S, 1, 1] positions from pages
+    # The tail is read whole even when it alone exceeds a budget below a page.
+    j = torch.arange(max(budget, size - 1, 1), device=scores.device)  # [B]
+    k = min(budget // size, num_pages)  # most pages any row can take: fixed by the config
+    if k > 0:
+        top = scores.topk(k, dim=-1).indices  # [S, Hkv, k] best first
+        rank = torch.arange(k, device=scores.device)
+        # Keep each row's n best; dropped ranks become `num_pages` and sort last.
+        top = torch.where(rank < n_pages.view(s, 1, 1), top, num_pages).sort(dim=-1).values
+        page = top.gather(-1, (j // size).clamp(max=k - 1).expand(s, hkv, -1))  # [S, Hkv, B]
+        from_pages = page * size + j % size
+    else:
+        from_pages = torch.zeros((s, hkv, j.numel()), dtype=torch.long, device=scores.device)
+    from_tail = (full * size).view(s, 1, 1) + j - taken  # [S, 1, B]
+    pos = torch.where(j < taken, from_pages, from_tail)  # [S, Hkv, B]
+    fits = (context <= budget).view(s, 1, 1)
+    pos = torch.where(fits, j, pos).to(torch.int32)
+    lens = torch.where(fits.view(s), context, n_pages * size + tail).to(torch.int32)
+    return pos, lens

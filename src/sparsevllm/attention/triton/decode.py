@@ -96,7 +96,10 @@ def _decode_partial_kernel(
     view_len = tl.load(lens_ptr + s)
     if HAS_SUBSET:
         # Effective sequence: subset[0 : n_sel] then the query's own token (view_len - 1).
-        n_sel = tl.minimum(tl.load(subset_lens_ptr + s), subset_cap)
+        # A negative count reads the whole view: positions 0 .. view_len - 2 in order.
+        sub_len = tl.load(subset_lens_ptr + s)
+        whole = sub_len < 0
+        n_sel = tl.where(whole, view_len - 1, tl.minimum(sub_len, subset_cap))
         eff_len = tl.where(view_len > 0, n_sel + 1, 0)
         view_lo = 0
     else:
@@ -133,7 +136,8 @@ def _decode_partial_kernel(
         valid = offs < end
         if HAS_SUBSET:
             sub = subset_ptr + s.to(tl.int64) * stride_ss + kvh * stride_sh
-            pos = tl.load(sub + offs, mask=valid & (offs < n_sel), other=0)
+            pos = tl.load(sub + offs, mask=valid & (offs < n_sel) & (sub_len >= 0), other=0)
+            pos = tl.where(whole, offs, pos)
             pos = tl.where(offs == n_sel, view_len - 1, pos)  # view positions
         else:
             pos = view_lo + offs
@@ -271,7 +275,8 @@ def decode_attention(
     """Attention of each sequence's single query over its view; writes and returns `out`.
 
     With `subset`, sequence s reads view[subset[s, h, :subset_lens[s]]] for KV head h plus
-    always its own token (view position view_lens[s] - 1), as torch_ref.gather_selected.
+    always its own token (view position view_lens[s] - 1), as torch_ref.gather_selected;
+    a negative subset_lens[s] reads s's whole view (no subset for that sequence).
     With `scores_out`, row [s, h, :view_lens[s]] receives head h's softmax probabilities
     over view positions (under a subset: nonzero only at the positions read; a position
     listed twice shows one occurrence's share) and the rest of the row is zeroed.
