@@ -70,9 +70,7 @@ class TritonBackend(AttentionBackend):
                 window=window,
             )
             if scores is not None:
-                # Kept whole for the step: methods read it batched (dense_scores) or per
-                # row (row_scores, views), with no per-row copies here.
-                batch.put_step_scores(layer, scores)
+                self._keep_scores(layer, scores, want, batch)
             return out
         prefill_attention(
             q,
@@ -95,3 +93,19 @@ class TritonBackend(AttentionBackend):
                 q_i = q[start : start + n][-rows:]
                 batch.put_scores(layer, i, attention_mass(q_i, k_cache[view], scale))
         return out
+
+    @staticmethod
+    def _keep_scores(
+        layer: int, scores: torch.Tensor, want: list[int], batch: ForwardBatch
+    ) -> None:
+        """Keep a decode step's `[S, Hq, W]` probabilities for the methods. When most rows
+        asked (OmniKV, H2O, TOVA), the buffer is kept whole for the step (read batched or
+        as row views); when few did (a prompt ending in a decode batch), only their rows
+        are copied, so a large batch does not hold one whole buffer per layer."""
+        if 2 * sum(1 for w in want if w) >= len(want):
+            batch.put_step_scores(layer, scores)
+            return
+        group = batch.group_of_layer[layer]
+        for i, w in enumerate(want):
+            if w:
+                batch.put_scores(layer, i, scores[i, :, : batch.view_lens[group][i]].clone())
