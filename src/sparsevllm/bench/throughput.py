@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -116,6 +117,7 @@ def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, 
     if args.model_config:
         model = write_model_config(args.model_config)
         engine_kwargs.setdefault("load_format", "dummy")
+    args._model_dir = model if model and os.path.isdir(model) else None  # for kvpress
     llm = LLM(model, **engine_kwargs)
     args._llm = llm  # reused by --compare to copy the same weights
     engine, runner = llm.engine, llm.engine.runner
@@ -215,10 +217,24 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args: Any) -> None:
     )
     p.add_argument(
         "--compare",
-        choices=["hf"],
+        choices=["hf", "kvpress"],
         action="append",
         default=[],
-        help="Also run Hugging Face generate on the same weights and shapes and report the ratio.",
+        help="Also run Hugging Face generate on the same weights and shapes (hf), or the "
+        "same sparse method in kvpress (kvpress, needs --kvpress-site), and report the ratio; "
+        "may be given twice.",
+    )
+    p.add_argument(
+        "--kvpress-site",
+        metavar="DIR",
+        help="Directory with kvpress and a transformers < 5.3 installed (pip --target), "
+        "put first on the kvpress process's PYTHONPATH.",
+    )
+    p.add_argument(
+        "--kvpress-batch-size",
+        type=int,
+        default=None,
+        help="Batch for --compare kvpress (default: the same batch).",
     )
     p.add_argument(
         "--bench-seed", dest="seed", type=int, default=0, help="Seed of the random prompts."
@@ -240,6 +256,16 @@ def run_cli(args: argparse.Namespace) -> int:
         report["hf"] = hf_generate_throughput(args, report)
         report["speedup_vs_hf_end_to_end"] = (
             report["end_to_end_tokens_per_s"] / report["hf"]["end_to_end_tokens_per_s"]
+        )
+    if "kvpress" in args.compare:
+        from sparsevllm.bench.kvpress_compare import kvpress_throughput
+
+        report["kvpress"] = kvpress_throughput(args, report)
+        report["decode_speedup_vs_kvpress"] = (
+            report["decode_tokens_per_s"] / report["kvpress"]["decode_tokens_per_s"]
+        )
+        report["end_to_end_speedup_vs_kvpress"] = (
+            report["end_to_end_tokens_per_s"] / report["kvpress"]["end_to_end_tokens_per_s"]
         )
     text = json.dumps(report, indent=2, default=str)
     if args.json:
