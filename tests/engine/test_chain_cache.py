@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_helpers import run_request
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.engine.chain_cache import ChainBusyError
 from tiny_gemma3 import save_tiny_gemma3
@@ -15,14 +16,7 @@ NEW = [[5, 6, 7, 8, 9, 10], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37]]
 
 
 def run_one(engine, prompt, chain_id=None):
-    rid = engine.add_request(prompt, GREEDY, chain_id=chain_id)
-    before = engine.stats()["num_prefill_tokens_computed"]
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.request_id == rid and o.finished:
-                out = o
-    return out, engine.stats()["num_prefill_tokens_computed"] - before
+    return run_request(engine, prompt, GREEDY, chain_id)
 
 
 def conversation(engine, chain_id=None):

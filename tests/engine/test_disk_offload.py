@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_helpers import run_request
 from sparsevllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -24,14 +25,7 @@ def model(tiny_model_factory):
 
 
 def run_one(llm: LLM, prompt: list[int], chain_id: str | None = None):
-    engine = llm.engine
-    rid = engine.add_request(prompt, GREEDY, chain_id=chain_id)
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.request_id == rid and o.finished:
-                out = o
-    return out
+    return run_request(llm.engine, prompt, GREEDY, chain_id)[0]
 
 
 def squeeze(llm: LLM, n: int = 3) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_helpers import run_request
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.engine.chain_cache import ChainBusyError
 from sparsevllm.engine.prune import CacheEntryNotFound
@@ -21,15 +22,7 @@ def model(tiny_model_factory):
 
 def turn(llm: LLM, prompt: list[int], chain_id: str | None = None):
     """One request; returns its output and how many tokens it prefilled."""
-    engine = llm.engine
-    before = engine.stats()["num_prefill_tokens_computed"]
-    rid = engine.add_request(prompt, GREEDY, chain_id=chain_id)
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.request_id == rid and o.finished:
-                out = o
-    return out, engine.stats()["num_prefill_tokens_computed"] - before
+    return run_request(llm.engine, prompt, GREEDY, chain_id)
 
 
 def two_turns(llm: LLM, prune: dict | None, chain_id: str | None = None):
