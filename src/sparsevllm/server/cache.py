@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 def cache_listing(engine: Any) -> dict[str, Any]:
-    """`{"mode", "chains", "prefixes", "kv_slots_cached", "offload"}`; runs on the worker."""
+    """`{"mode", "chains", "prefixes", "kv_slots_cached"}`, plus `"offloaded"` (radix
+    nodes in a tier) and `"offload"` (bytes, counters) with offload tiers; runs on the
+    worker."""
     prefix_cache = getattr(engine, "prefix_cache", None)
     chains = getattr(engine, "chains", None)
     listing: dict[str, Any] = {"mode": "off", "chains": [], "prefixes": [], "kv_slots_cached": 0}
@@ -49,7 +51,11 @@ def cache_listing(engine: Any) -> dict[str, Any]:
             "cpu_capacity_bytes": tiers.cpu.capacity_bytes if tiers.cpu else 0,
             "disk_bytes": tiers.disk.used_bytes if tiers.disk else 0,
             "disk_capacity_bytes": tiers.disk.capacity_bytes if tiers.disk else 0,
+            "num_offloaded": int(tiers.num_offloaded),
+            "num_restored": int(tiers.num_restored),
         }
+        if prefix_cache is not None:
+            listing["offloaded"] = tiers.listing()
     return listing
 
 
