@@ -60,17 +60,18 @@ def cache_listing(engine: Any) -> dict[str, Any]:
 
 
 def persist_chains(engine: Any) -> None:
-    """The worker's last act: write idle chains to the disk tier (if the engine has one)."""
+    """The worker's last act: write idle chains or unlocked radix nodes to the disk tier
+    (if the engine has one)."""
     persist = getattr(engine, "persist_chains", None)  # test fakes may lack it
     if persist is None:
         return
     try:
         written = persist()
     except Exception:
-        logger.exception("could not write the idle chains to the disk tier")
+        logger.exception("could not write the cached state to the disk tier")
         return
     if written:
-        logger.info("wrote %d idle chain(s) to the disk tier", written)
+        logger.info("wrote %d cache entries (chains or radix nodes) to the disk tier", written)
 
 
 class CachePruneRequest(_Strict):
