@@ -130,3 +130,29 @@ def test_listing_and_stats_show_offloaded_nodes(model):
     # The leaves of the tree are listed with what stays resident of their paths.
     offloaded = [p["logical_tokens"] for p in listing["prefixes"] if p["resident_slots"] == 0]
     assert sorted(offloaded) == [112, 209]
+
+
+def test_a_request_that_cannot_be_admitted_does_not_restore_its_prefix(model):
+    """A restore the admission check would undo is not done: the running batch would
+    evict the restored node again, and the next step restore it again."""
+    calm_llm = LLM(model, max_model_len=1024)
+    first = run_one(calm_llm, FIRST)
+    follow = FIRST + first.token_ids + NEW
+    calm = run_one(calm_llm, follow)
+    llm = LLM(model, **PRESSURE, cpu_offload_gb=0.5)
+    engine = llm.engine
+    run_one(llm, FIRST)
+    squeeze(llm)  # FIRST is on the CPU; three other prefixes are resident
+    engine.add_request(other(3), SamplingParams(max_tokens=300, ignore_eos=True), "long")
+    while engine.pool.num_available > 210:  # the long request grows one slot a step
+        engine.step()
+    # FIRST's 209 rows would fit, but not with a slot for the follow-up and the runner.
+    rid = engine.add_request(follow, GREEDY)
+    out = None
+    while engine.has_unfinished_requests():
+        if "long" in engine._by_request:
+            assert engine.tiers.num_restored == 0
+        out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+    assert engine.tiers.num_restored == 1
+    assert out.num_cached_tokens == len(follow) - len(NEW) - 1
+    assert out.token_ids == calm.token_ids

@@ -23,7 +23,7 @@ class FakeTier:
         self.store[node.key] = list(node.slots)
         return "CPU"
 
-    def restore(self, node):
+    def restore(self, node, reserve):
         if not self.room:
             return None
         n = len(self.store.pop(node.key))

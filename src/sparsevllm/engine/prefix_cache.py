@@ -68,8 +68,9 @@ class NodeTier(Protocol):
     def offload(self, node: _Node) -> str | None:
         """Copy the node's rows off the pool; the tier's name, or None (no room)."""
 
-    def restore(self, node: _Node) -> list[int] | None:
-        """New slots holding the node's rows again (None: the pool has no room)."""
+    def restore(self, node: _Node, reserve: int) -> list[int] | None:
+        """New slots holding the node's rows again (None: the pool has no room for them
+        plus `reserve` more)."""
 
     def drop(self, node: _Node) -> None:
         """Forget the node's offloaded copy (it leaves the tree)."""
@@ -88,16 +89,17 @@ class RadixCache:
         self.tier: NodeTier | None = None
 
     # -- lookup -------------------------------------------------------------------------
-    def match(self, tokens: list[int]) -> tuple[list[int], _Node]:
+    def match(self, tokens: list[int], reserve: int = 0) -> tuple[list[int], _Node]:
         """Longest cached prefix of `tokens`: its slots and the deepest node reached.
 
         A partial match inside a node splits it, so the prefix ends on a node boundary.
+        Offloaded nodes are restored only while the pool keeps `reserve` slots besides.
         """
         node, pos, slots = self.root, 0, []
         now = next(self._clock)
         while pos < len(tokens) and tokens[pos] in node.children:
             child = node.children[tokens[pos]]
-            if child.tier is not None and not self._bring_back(node, child):
+            if child.tier is not None and not self._bring_back(node, child, reserve):
                 break  # no room to restore: the request computes the rest itself
             n = _common(child.tokens, tokens, pos)
             if n < len(child.tokens):
@@ -107,14 +109,14 @@ class RadixCache:
             node, pos = child, pos + n
         return slots, node
 
-    def _bring_back(self, parent: _Node, node: _Node) -> bool:
+    def _bring_back(self, parent: _Node, node: _Node, reserve: int) -> bool:
         """Restore the offloaded `node` below `parent`. The path above stays locked
         meanwhile: making room for the rows must not evict what the match holds."""
         if self.tier is None:
             return False
         self.lock(parent)
         try:
-            slots = self.tier.restore(node)
+            slots = self.tier.restore(node, reserve)
         finally:
             self.unlock(parent)
         if slots is None:

@@ -148,16 +148,16 @@ class RadixTiers:
             self._nodes.pop(node.key, None)
         return None
 
-    def restore(self, node: _Node) -> list[int] | None:
+    def restore(self, node: _Node, reserve: int = 0) -> list[int] | None:
         key = node.key
         if self.cpu is not None and key in self.cpu.rows:
             n = self.cpu.rows[key][0][0].shape[0]
-            if not self.pool.can_append(n):
+            if not self.pool.can_append(n + reserve):
                 return None
             rows = self.cpu.take(key)
         elif self.disk is not None and self.disk.has(key):
             n = self.disk.counts(key)[0]
-            if not self.pool.can_append(n):
+            if not self.pool.can_append(n + reserve):
                 return None
             data = self.disk.read(key)
             self.disk.drop(key)
