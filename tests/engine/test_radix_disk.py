@@ -19,7 +19,8 @@ from radix_offload_helpers import (
     same_rows,
     squeeze,
 )
-from sparsevllm import LLM
+from sparsevllm import LLM, SamplingParams
+from sparsevllm.engine.chain_cache import ChainBusyError
 
 HISTORY = len(FIRST) + GREEDY.max_tokens - 1  # what a finished FIRST request caches
 PRUNE = dict(ranges=[(20, 120)], keep_ratio=0.25)  # keeps 25 of 100: 75 slots freed
@@ -113,6 +114,21 @@ def test_pruned_nodes_offload_and_restore_with_their_positions(model, tmp_path, 
     out, rows, restored = follow_up(llm, follow)
     assert restored == positions and same_rows(rows, saved)
     assert out.num_cached_tokens == HISTORY and out.token_ids == calm.token_ids
+
+
+def test_pruning_an_offloaded_prefix_without_room_is_refused(model):
+    llm = LLM(model, **PRESSURE, cpu_offload_gb=0.5)
+    engine = llm.engine
+    history = FIRST + run_one(llm, FIRST).token_ids
+    squeeze(llm)
+    engine.add_request(other(3), SamplingParams(max_tokens=300, ignore_eos=True), "long")
+    while engine.pool.num_available >= HISTORY:
+        engine.step()
+    with pytest.raises(ChainBusyError, match="offloaded .CPU. and the KV pool has no room"):
+        llm.prune(prompt=history, **PRUNE)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.prune(prompt=history, **PRUNE).slots_freed == 75  # restored first
 
 
 def test_a_restarted_engine_rebuilds_the_offloaded_tree(model, tmp_path):
