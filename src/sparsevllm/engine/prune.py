@@ -221,12 +221,7 @@ def _prune_prefix(
         )
     _, node = cache.match(tokens)  # restores offloaded nodes on the way
     length = cache.depth(node)
-    stopped = node.children.get(tokens[length]) if length < len(tokens) else None
-    if stopped is not None and stopped.tier is not None:
-        raise ChainBusyError(
-            f"cached tokens from {length} on are offloaded ({stopped.tier}) and the KV pool "
-            "has no room to restore them now; retry later"
-        )
+    _check_restored(node, tokens, length)
     if length == 0:
         raise CacheEntryNotFound("no cached prefix of these tokens")
     _check_within(ranges, length, "the cached prefix")
@@ -264,6 +259,16 @@ def _prune_prefix(
         keep_ratio,
         ranges,
     )
+
+
+def _check_restored(node: Any, tokens: list[int], length: int) -> None:
+    """The match stopped before an offloaded node: the pool had no room to restore it."""
+    stopped = node.children.get(tokens[length]) if length < len(tokens) else None
+    if stopped is not None and stopped.tier is not None:
+        raise ChainBusyError(
+            f"cached tokens from {length} on are offloaded ({stopped.tier}) and the KV pool "
+            "has no room to restore them now; retry later"
+        )
 
 
 def _check_unlocked(path: list[Any], ranges: list[tuple[int, int]]) -> None:
