@@ -1,4 +1,5 @@
-"""Disk tier of the radix prefix cache: bit-exact restore, the cap, restarts, pruning."""
+"""Radix offload tiers (Llama): the disk tier (bit-exact restore, the cap, restarts),
+pruned nodes, and the logical methods that share the radix cache."""
 
 from __future__ import annotations
 
@@ -185,4 +186,19 @@ def test_without_close_what_is_on_disk_still_serves_a_new_engine(model, tmp_path
     after = LLM(model, **PRESSURE, disk_offload_dir=str(tmp_path))
     assert [r["logical_tokens"] for r in after.engine.tiers.listing()] == [HISTORY]
     out = run_one(after, follow)
+    assert out.num_cached_tokens == HISTORY and out.token_ids == calm.token_ids
+
+
+@pytest.mark.parametrize("method", ["quest", "omnikv"])
+def test_logical_methods_read_restored_prefixes_like_resident_ones(model, method):
+    kw = dict(sparse_method=method, decode_keep_tokens=64, recent_keep_tokens=16)
+    calm_llm = LLM(model, max_model_len=1024, **kw)
+    first = run_one(calm_llm, FIRST)
+    follow = FIRST + first.token_ids + NEW
+    calm = run_one(calm_llm, follow)
+    llm = LLM(model, **PRESSURE, **kw, cpu_offload_gb=0.5)
+    run_one(llm, FIRST)
+    squeeze(llm)
+    assert [r["tier"] for r in llm.engine.tiers.listing()] == ["CPU"]
+    out = run_one(llm, follow)
     assert out.num_cached_tokens == HISTORY and out.token_ids == calm.token_ids
