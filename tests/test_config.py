@@ -27,6 +27,8 @@ def test_unknown_key_names_closest_field():
         ({"device": "tpu"}, "device must be"),
         ({"sparse_method": "snapkvv"}, "unknown sparse_method"),
         ({"kv_cache_memory_gb": -2.0}, "kv_cache_memory_gb must be > 0"),
+        ({"cpu_offload_gb": 1, "enable_prefix_caching": False}, "needs prefix caching"),
+        ({"disk_offload_dir": "/tmp/x", "enable_prefix_caching": False}, "needs prefix caching"),
     ],
 )
 def test_bad_values_fail_at_construction(values, message):
@@ -53,3 +55,9 @@ def test_config_is_frozen_and_method_alias_is_canonical():
     assert cfg.sparse_method == "vanilla"
     with pytest.raises(AttributeError):
         cfg.max_num_seqs = 2  # type: ignore[misc]
+
+
+def test_offload_tiers_work_with_either_cache():
+    for method in ("vanilla", "quest", "snapkv"):  # radix, radix, chain
+        config = EngineConfig(sparse_method=method, cpu_offload_gb=1, disk_offload_dir="/tmp/x")
+        assert config.disk_offload_dir == "/tmp/x"

@@ -47,14 +47,15 @@ FIELD_HELP: dict[str, str] = {
     "eviction methods, the chain cache (default: on).",
     "prefix_cache_mode": "auto (by the registry), radix (dense/logical methods) or chain "
     "(eviction methods continue a conversation from their resident state).",
-    "cpu_offload_gb": "Chain cache: host memory (GiB) that idle chains move to under pressure "
-    "instead of being dropped; restored bit-exactly on the next turn (0: off).",
-    "disk_offload_dir": "Chain cache: directory of the disk tier. Idle chains that neither "
-    "the pool nor the CPU tier can hold are written there (one file each) and restored "
+    "cpu_offload_gb": "Host memory (GiB) that idle chains (chain cache) or evicted prefix "
+    "nodes (radix cache) move to under pressure instead of being dropped; restored "
+    "bit-exactly when reused (0: off; needs prefix caching).",
+    "disk_offload_dir": "Directory of the disk tier for idle chains or radix prefix nodes "
+    "that neither the pool nor the CPU tier can hold (one file each), restored "
     "bit-exactly; they survive a restart of an engine with the same model and KV settings "
-    "(default: none).",
-    "disk_offload_gb": "Chain cache: size cap (GiB) of the disk tier; the least recently "
-    "written chains are dropped to make room.",
+    "(default: none; needs prefix caching).",
+    "disk_offload_gb": "Size cap (GiB) of the disk tier; the least recently written "
+    "entries are dropped to make room.",
     "sink_keep_tokens": "Sparse methods: first tokens always kept (attention sinks).",
     "recent_keep_tokens": "Sparse methods: most recent tokens always kept.",
     "decode_keep_tokens": "Sparse methods: KV budget per layer (tokens kept or read), "
@@ -220,17 +221,21 @@ class EngineConfig:
         _check_type("disk_offload_gb", self.disk_offload_gb, (int, float))
         if self.disk_offload_gb <= 0:
             raise ValueError(f"disk_offload_gb must be > 0, got {self.disk_offload_gb}")
-        if self.disk_offload_dir is None:
-            return
-        _check_type("disk_offload_dir", self.disk_offload_dir, str)
-        if not self.disk_offload_dir:
-            raise ValueError("disk_offload_dir must be a directory path (or None)")
-        if not self.enable_prefix_caching or self.prefix_cache_mode != "chain":
-            raise ValueError(
-                "disk_offload_dir needs the chain cache (an eviction method with prefix "
-                f"caching on); {self.sparse_method} uses "
-                f"{'no cache' if not self.enable_prefix_caching else 'the radix prefix cache'}"
-            )
+        if self.disk_offload_dir is not None:
+            _check_type("disk_offload_dir", self.disk_offload_dir, str)
+            if not self.disk_offload_dir:
+                raise ValueError("disk_offload_dir must be a directory path (or None)")
+        # The tiers hold cross-request state (idle chains or radix nodes): without prefix
+        # caching there is nothing to offload.
+        for name, on in (
+            ("cpu_offload_gb", self.cpu_offload_gb > 0),
+            ("disk_offload_dir", self.disk_offload_dir is not None),
+        ):
+            if on and not self.enable_prefix_caching:
+                raise ValueError(
+                    f"{name} needs prefix caching (the radix prefix cache or the chain "
+                    "cache); it is off (enable_prefix_caching=False)"
+                )
 
     @classmethod
     def field_names(cls) -> list[str]:

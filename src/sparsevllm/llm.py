@@ -125,10 +125,11 @@ class LLM:
         )
 
     def close(self) -> None:
-        """Write idle chains to the disk tier (with `disk_offload_dir`), so that an LLM
-        started later with the same model and KV settings continues them, then free the
-        engine's device memory (weights, KV pool, CUDA graphs) so another engine can
-        start in this process; this LLM cannot generate afterwards."""
+        """Write idle chains or unlocked radix prefix nodes to the disk tier (with
+        `disk_offload_dir`), so that an LLM started later with the same model and KV
+        settings reuses them, then free the engine's device memory (weights, KV pool,
+        CUDA graphs) so another engine can start in this process; this LLM cannot
+        generate afterwards."""
         self.engine.persist_chains()
         self.engine.runner.free_device_memory(weights=True)
 

@@ -145,8 +145,11 @@ def test_other_configurations_and_broken_files_are_not_used(model, tmp_path):
 
 
 def test_disk_tier_settings_are_validated(model, tmp_path):
-    with pytest.raises(ValueError, match="disk_offload_dir needs the chain cache"):
-        LLM(model, disk_offload_dir=str(tmp_path))
+    # Both caches have tiers now (radix: test_radix_offload.py); no cache, no tier.
+    for kw in (dict(disk_offload_dir=str(tmp_path)), dict(cpu_offload_gb=1.0)):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=f"{name} needs prefix caching"):
+            LLM(model, **SNAPKV, **kw, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="disk_offload_gb must be > 0"):
         LLM(model, **SNAPKV, disk_offload_dir=str(tmp_path), disk_offload_gb=0)
 

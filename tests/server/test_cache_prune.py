@@ -180,3 +180,32 @@ def test_a_restarted_server_continues_the_chains_it_left_on_disk(tiny_path: str,
         assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - 1
     finally:
         later.stop()
+
+
+def test_a_restarted_radix_server_reuses_the_prefixes_it_left_on_disk(tiny_path: str, tmp_path):
+    config = tiny_config(tiny_path, enable_prefix_caching=True, disk_offload_dir=str(tmp_path))
+    server = start_server(config, served_model_name=TINY_NAME)
+    try:
+        first = complete(server, PROMPT)
+        history = PROMPT + reply_ids(server, first)
+        assert "offloaded" in listing(server) and listing(server)["offloaded"] == []
+    finally:
+        server.stop()  # the worker writes the unlocked radix nodes to disk on the way out
+    later = start_server(config, served_model_name=TINY_NAME)
+    try:
+        cache = listing(later)
+        [node] = cache["offloaded"]
+        assert (node["tier"], node["start"], node["logical_tokens"]) == (
+            "disk",
+            0,
+            len(history) - 1,
+        )
+        assert node["bytes"] > 0 and cache["offload"]["disk_bytes"] >= node["bytes"]
+        assert cache["prefixes"][0]["resident_slots"] == 0
+        follow = complete(later, history + [7])
+        assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - 1
+        later.wait_idle()
+        after = listing(later)
+        assert after["offloaded"] == [] and after["offload"]["num_restored"] == 1
+    finally:
+        later.stop()

@@ -1,4 +1,5 @@
-"""Disk tier for idle chains: one file per chain, LRU-capped by size, kept across restarts.
+"""Disk tier for idle chains and radix nodes: one file per entry, LRU-capped by size,
+kept across restarts.
 
 Files live in `disk_offload_dir/<fingerprint digest>/`. The fingerprint names what
 shapes the KV bytes (model identity, dtype, layers, KV heads, head dim, layer groups,
@@ -21,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ class SavedChain:
     tokens: list[int]
     counts: list[int]
     saved_at: float
+    meta: dict[str, Any] = field(default_factory=dict)  # the whole recorded metadata
 
 
 @dataclass
@@ -132,18 +134,33 @@ class DiskStore:
             raise ValueError("written for another model or configuration")
         tokens = data["tokens"].tolist()
         return SavedChain(
-            path, path.stat().st_size, meta["chain_id"], tokens, meta["counts"], meta["saved_at"]
+            path,
+            path.stat().st_size,
+            meta["chain_id"],
+            tokens,
+            meta["counts"],
+            meta["saved_at"],
+            meta,
         )
 
     def register(self, owner: int, saved: SavedChain) -> None:
         self._entries[owner] = _Entry(saved.path, saved.nbytes, list(saved.counts))
 
     # -- write / read -------------------------------------------------------------------
-    def write(self, owner: int, chain_id: str, counts: list[int], payload: dict) -> bool:
-        """Save one chain; False if it cannot fit under the cap even alone."""
+    def write(
+        self,
+        owner: int,
+        chain_id: str,
+        counts: list[int],
+        payload: dict,
+        extra: dict[str, Any] | None = None,
+    ) -> bool:
+        """Save one entry (`extra`: more metadata, JSON); False if it cannot fit under
+        the cap even alone."""
         name = hashlib.sha256(chain_id.encode()).hexdigest()[:32]
         path, tmp = self.dir / f"{name}.pt", self.dir / f"{name}.tmp"
         meta = {
+            **(extra or {}),
             "fingerprint": self.fingerprint,
             "chain_id": chain_id,
             "counts": counts,

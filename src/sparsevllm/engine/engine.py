@@ -13,9 +13,10 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.chain_cache import ChainCache
 from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
 from sparsevllm.engine.kv_pool import KVPool
-from sparsevllm.engine.offload_tiers import OffloadTiers
+from sparsevllm.engine.offload_tiers import OffloadTiers, offload_stats
 from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.prune import PruneResult, prune_cache
+from sparsevllm.engine.radix_tiers import RadixTiers
 from sparsevllm.engine.runner import ModelRunner
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from sparsevllm.engine.sequence import Sequence
@@ -52,6 +53,10 @@ class LLMEngine:
         if config.enable_prefix_caching and config.prefix_cache_mode == "radix":
             self.prefix_cache = RadixCache(free_slots=self.pool.free_slots)
             self.pool.reclaimer = self.prefix_cache
+            # Evicted nodes move to host memory / disk instead of being dropped.
+            self.tiers = RadixTiers.build(
+                config, self.source, self.runner, self.pool, self.prefix_cache
+            )
         elif config.enable_prefix_caching:
             self.tiers = OffloadTiers.build(config, self.source, self.runner, self.pool)
             self.offload = self.tiers.cpu if self.tiers else None
@@ -343,9 +348,12 @@ class LLMEngine:
         return prune_cache(self, chain_id, tokens, ranges, method, keep_ratio)
 
     def persist_chains(self) -> int:
-        """Write idle chains to the disk tier (if there is one), so that an engine
-        started later continues them; returns how many were written."""
-        return self.tiers.persist(self.chains) if self.tiers is not None else 0
+        """Write idle chains, or the radix cache's unlocked nodes, to the disk tier (if
+        there is one), so that an engine started later reuses them; returns how many
+        entries were written."""
+        if self.tiers is None:
+            return 0
+        return self.tiers.persist(self.chains) if self.chains is not None else self.tiers.persist()
 
     # -- statistics ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -371,6 +379,7 @@ class LLMEngine:
             "num_idle_chains": (
                 sum(not c.busy for c in self.chains.chains.values()) if self.chains else 0
             ),
+            **offload_stats(self.tiers),
             "max_concurrent_seqs": st.max_concurrent_seqs,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -248,6 +248,15 @@ class KVPool:
     def free_slots(self, slots: list[int]) -> None:
         self._alloc[0].free(slots)
 
+    def take_slots(self, n: int) -> list[int]:
+        """`n` slots outside any sequence's table, for the prefix cache (restoring an
+        offloaded radix node); other cached state is reclaimed first if needed."""
+        if self.num_groups != 1:
+            raise RuntimeError("prefix sharing needs a single layer group")
+        if n > self.num_free and self.reclaimer is not None:
+            self.reclaimer.make_room(n - self.num_free)
+        return self._alloc[0].allocate(n)
+
     def replace_view(self, seq_id: int, group: int, keep: list[int]) -> list[int]:
         """Keep only the slots at positions `keep` (in that order) of a group's view.
 

@@ -27,7 +27,7 @@ def gather_rows(
     for layer in range(len(k_cache)):
         g = pool.group_of_layer[layer]
         slots = torch.tensor(pool.table(owner, g), device=k_cache[layer].device)
-        layers_kv.append((_host(k_cache[layer][slots], pin), _host(v_cache[layer][slots], pin)))
+        layers_kv.append((to_host(k_cache[layer][slots], pin), to_host(v_cache[layer][slots], pin)))
     if k_cache[0].is_cuda:
         torch.cuda.synchronize(k_cache[0].device)  # the copies must land before reuse
     return counts, layers_kv
@@ -50,7 +50,8 @@ def rows_nbytes(rows: Rows) -> int:
     return sum(k.numel() * k.element_size() * 2 for k, _ in rows[1])
 
 
-def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A host copy of `t` (pinned on CUDA when asked; the caller synchronises)."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.is_cuda)
     out.copy_(t, non_blocking=pin and t.is_cuda)
     return out

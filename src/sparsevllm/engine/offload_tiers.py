@@ -31,6 +31,8 @@ class OffloadTiers:
         self.cpu = cpu
         self.disk = disk
         self.chains: ChainCache | None = None
+        self.num_offloaded = 0  # chains moved to a tier (to CPU, or straight to disk)
+        self.num_restored = 0
 
     @classmethod
     def build(cls, config: Any, source: Any, runner: Any, pool: KVPool) -> OffloadTiers | None:
@@ -61,6 +63,11 @@ class OffloadTiers:
 
     # -- ChainCache callbacks -----------------------------------------------------------
     def offload(self, chain: Chain) -> str | None:
+        tier = self._offload(chain)
+        self.num_offloaded += tier is not None
+        return tier
+
+    def _offload(self, chain: Chain) -> str | None:
         if self.cpu is not None:
             self._demote_for(self.cpu.need_bytes(chain.owner))
             if self.cpu.offload(chain.owner):
@@ -70,11 +77,13 @@ class OffloadTiers:
         return None
 
     def restore(self, chain: Chain) -> bool:
+        done = False
         if self.cpu is not None and self.cpu.has(chain.owner):
-            return self.cpu.restore(chain.owner)
-        if self.disk is not None and self.disk.has(chain.owner):
-            return self._read(chain)
-        return False
+            done = self.cpu.restore(chain.owner)
+        elif self.disk is not None and self.disk.has(chain.owner):
+            done = self._read(chain)
+        self.num_restored += done
+        return done
 
     def drop(self, owner: int) -> None:
         if self.cpu is not None:
@@ -156,3 +165,16 @@ class OffloadTiers:
         r.kv.positions.load(owner, records)
         r.method.import_state(owner, data["method_state"], r.device)
         return True
+
+
+def offload_stats(tiers: Any) -> dict[str, int]:
+    """Engine stats of the offload tiers (`OffloadTiers` or `RadixTiers`, or None):
+    entries (idle chains or radix nodes) moved out and back, and the bytes held."""
+    cpu = tiers.cpu if tiers is not None else None
+    disk = tiers.disk if tiers is not None else None
+    return {
+        "num_kv_offloaded": tiers.num_offloaded if tiers is not None else 0,
+        "num_kv_restored": tiers.num_restored if tiers is not None else 0,
+        "kv_offload_cpu_bytes": cpu.used_bytes if cpu is not None else 0,
+        "kv_offload_disk_bytes": disk.used_bytes if disk is not None else 0,
+    }

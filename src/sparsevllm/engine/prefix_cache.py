@@ -11,6 +11,13 @@ A node may be *pruned* (`engine/prune.py`): it then holds fewer slots than token
 `positions` gives the offset within the node of the token each slot holds. Matching
 stays by tokens, so a request borrowing a pruned prefix still skips all of its tokens
 (its positions stay logical) while reading a shorter view.
+
+With an offload tier (`engine/radix_tiers.py`, set as `tier`), an evicted node is not
+dropped: its KV moves to host memory or disk and the node stays in the tree, *offloaded*
+(`tier` names where; it holds no slots). Nodes are offloaded leaves first, so every
+descendant of an offloaded node is offloaded too: the resident nodes form the top of
+the tree. A match that reaches an offloaded node restores it before the request reads it,
+or stops there when the pool has no room.
 """
 
 from __future__ import annotations
@@ -18,10 +25,23 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable
+from typing import Protocol
+
+_keys = itertools.count(1)
 
 
 class _Node:
-    __slots__ = ("tokens", "slots", "positions", "children", "parent", "ref", "last_used")
+    __slots__ = (
+        "tokens",
+        "slots",
+        "positions",
+        "children",
+        "parent",
+        "ref",
+        "last_used",
+        "key",
+        "tier",
+    )
 
     def __init__(
         self,
@@ -38,6 +58,22 @@ class _Node:
         self.parent = parent
         self.ref = 0
         self.last_used = 0
+        self.key = next(_keys)  # names the node's entry in an offload tier
+        self.tier: str | None = None  # "CPU" or "disk" while offloaded (no slots held)
+
+
+class NodeTier(Protocol):
+    """Where evicted nodes' KV goes instead of being dropped (`engine/radix_tiers.py`)."""
+
+    def offload(self, node: _Node) -> str | None:
+        """Copy the node's rows off the pool; the tier's name, or None (no room)."""
+
+    def restore(self, node: _Node, reserve: int) -> list[int] | None:
+        """New slots holding the node's rows again (None: the pool has no room for them
+        plus `reserve` more)."""
+
+    def drop(self, node: _Node) -> None:
+        """Forget the node's offloaded copy (it leaves the tree)."""
 
 
 class RadixCache:
@@ -50,17 +86,21 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.num_cached_slots = 0
         self.num_evictable_slots = 0
+        self.tier: NodeTier | None = None
 
     # -- lookup -------------------------------------------------------------------------
-    def match(self, tokens: list[int]) -> tuple[list[int], _Node]:
+    def match(self, tokens: list[int], reserve: int = 0) -> tuple[list[int], _Node]:
         """Longest cached prefix of `tokens`: its slots and the deepest node reached.
 
         A partial match inside a node splits it, so the prefix ends on a node boundary.
+        Offloaded nodes are restored only while the pool keeps `reserve` slots besides.
         """
         node, pos, slots = self.root, 0, []
         now = next(self._clock)
         while pos < len(tokens) and tokens[pos] in node.children:
             child = node.children[tokens[pos]]
+            if child.tier is not None and not self._bring_back(node, child, reserve):
+                break  # no room to restore: the request computes the rest itself
             n = _common(child.tokens, tokens, pos)
             if n < len(child.tokens):
                 child = self._split(child, n)
@@ -68,6 +108,22 @@ class RadixCache:
             slots.extend(child.slots)
             node, pos = child, pos + n
         return slots, node
+
+    def _bring_back(self, parent: _Node, node: _Node, reserve: int) -> bool:
+        """Restore the offloaded `node` below `parent`. The path above stays locked
+        meanwhile: making room for the rows must not evict what the match holds."""
+        if self.tier is None:
+            return False
+        self.lock(parent)
+        try:
+            slots = self.tier.restore(node, reserve)
+        finally:
+            self.unlock(parent)
+        if slots is None:
+            return False
+        node.slots, node.tier = slots, None
+        self._count(node, len(slots))
+        return True
 
     def depth(self, node: _Node) -> int:
         """Logical tokens from the root to the end of `node`."""
@@ -116,14 +172,15 @@ class RadixCache:
         now = next(self._clock)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
+            if child is not None and child.tier is not None:
+                child = self._supersede(child, tokens, slots, pos, start)
             if child is None:
                 if pos < start:
                     raise RuntimeError("a borrowed prefix left the cache while in use")
                 leaf = _Node(tokens[pos:], slots[pos - start :], node)
                 leaf.last_used = now
                 node.children[tokens[pos]] = leaf
-                self.num_cached_slots += len(leaf.slots)
-                self.num_evictable_slots += len(leaf.slots)
+                self._count(leaf, len(leaf.slots))
                 return duplicates
             n = _common(child.tokens, tokens, pos)
             if n < len(child.tokens):
@@ -135,6 +192,26 @@ class RadixCache:
             child.last_used = now
             node, pos = child, pos + n
         return duplicates
+
+    def _supersede(
+        self, node: _Node, tokens: list[int], slots: list[int], pos: int, start: int
+    ) -> _Node | None:
+        """A finished request computed the tokens of the offloaded `node` itself (it was
+        offloaded, or could not be restored, while the request ran). Covering the whole
+        node, the request's copy replaces the offloaded one and its descendants stay;
+        ending or branching inside it, the node and its subtree are dropped (cutting
+        offloaded rows in two is not worth it) and a new leaf takes their place."""
+        if pos < start:  # a borrowed node is locked, so never offloaded
+            raise RuntimeError("a borrowed prefix was offloaded while in use")
+        n = _common(node.tokens, tokens, pos)
+        if n < len(node.tokens):
+            self._discard(node)
+            return None
+        self.tier.drop(node)
+        node.slots = slots[pos - start : pos + n - start]
+        node.positions, node.tier = None, None
+        self._count(node, len(node.slots))
+        return node
 
     def adopt(self, tokens: list[int], view: list[int], borrowed: _Node | None) -> list[int]:
         """Take a finished sequence's KV. `view` holds the slots it borrowed through
@@ -148,6 +225,8 @@ class RadixCache:
 
     def _split(self, node: _Node, n: int) -> _Node:
         """Cut `node` after n tokens; return the new upper half (same ref count)."""
+        if node.tier is not None:
+            raise RuntimeError("an offloaded node is restored before it is split")
         if node.positions is None:
             k, upper_pos, lower_pos = n, None, None
         else:
@@ -171,9 +250,14 @@ class RadixCache:
         removed = len(node.slots) - len(kept)
         node.slots = [s for s, _ in kept]
         node.positions = _compact([p for _, p in kept], len(node.tokens))
-        self.num_cached_slots -= removed
-        self.num_evictable_slots -= removed
+        self._count(node, -removed)
         return removed
+
+    def _count(self, node: _Node, n: int) -> None:
+        """`n` slots joined (or, negative, left) the tree at `node`."""
+        self.num_cached_slots += n
+        if node.ref == 0:
+            self.num_evictable_slots += n
 
     # -- eviction -----------------------------------------------------------------------
     @property
@@ -187,27 +271,92 @@ class RadixCache:
             self.free_slots(freed)
 
     def evict(self, n: int) -> list[int]:
-        """Free at least `n` slots (if possible) from unlocked nodes, LRU leaves first."""
+        """Free at least `n` slots (if possible) from unlocked nodes, LRU leaves first
+        (with a tier: nodes without resident children). A node the tier takes stays in
+        the tree, offloaded; one it cannot take leaves with its offloaded subtree."""
         freed: list[int] = []
         while len(freed) < n:
             leaf = self._lru_unlocked_leaf()
             if leaf is None:
                 break
+            tier = self.tier.offload(leaf) if self.tier is not None else None
+            if tier is None:
+                freed.extend(self._remove(leaf))
+                continue
             freed.extend(leaf.slots)
-            del leaf.parent.children[leaf.tokens[0]]
-            self.num_cached_slots -= len(leaf.slots)
-            self.num_evictable_slots -= len(leaf.slots)
+            self._count(leaf, -len(leaf.slots))
+            leaf.slots, leaf.tier = [], tier
         return freed
 
     def _lru_unlocked_leaf(self) -> _Node | None:
         best, stack = None, [self.root]
         while stack:
             node = stack.pop()
-            if not node.children and node.ref == 0 and node is not self.root:
+            resident = [c for c in node.children.values() if c.tier is None]
+            if not resident and node.ref == 0 and node is not self.root:
                 if best is None or node.last_used < best.last_used:
                     best = node
-            stack.extend(node.children.values())
+            stack.extend(resident)  # below an offloaded node, every node is offloaded
         return best
+
+    def discard(self, node: _Node) -> None:
+        """An offload tier gave up `node`'s copy: the node and its subtree leave (unless
+        they left already, with an ancestor)."""
+        n = node
+        while n is not self.root:
+            if n.parent is None or n.parent.children.get(n.tokens[0]) is not n:
+                return
+            n = n.parent
+        self._discard(node)
+
+    def _discard(self, node: _Node) -> None:
+        freed = self._remove(node)
+        if freed and self.free_slots is not None:
+            self.free_slots(freed)
+
+    def _remove(self, node: _Node) -> list[int]:
+        """Take unlocked `node` and its subtree out of the tree; returns their slots (the
+        caller frees them) and drops their offloaded copies."""
+        del node.parent.children[node.tokens[0]]
+        freed, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.tier is not None:
+                self.tier.drop(n)
+            else:
+                freed.extend(n.slots)
+                self._count(n, -len(n.slots))
+        return freed
+
+    def graft(
+        self, path: list[int], start: int, positions: list[int] | None, tier: str
+    ) -> _Node | None:
+        """Add an offloaded node for `path[start:]` below the node that ends at `start`
+        (a tier rebuilding the tree); None when no node ends there or the place is taken."""
+        node, pos = self.root, 0
+        while pos < start:
+            node = node.children.get(path[pos])
+            if node is None or node.tokens != path[pos : pos + len(node.tokens)]:
+                return None
+            pos += len(node.tokens)
+        if pos != start or start >= len(path) or path[start] in node.children:
+            return None
+        child = _Node(path[start:], [], node, positions)
+        child.tier = tier
+        node.children[path[start]] = child
+        return child
+
+    def offloaded(self) -> list[tuple[_Node, int]]:
+        """Every offloaded node and the logical position its tokens start at."""
+        out, stack = [], [(self.root, 0)]
+        while stack:
+            node, start = stack.pop()
+            if node.tier is not None:
+                out.append((node, start))
+            end = start + len(node.tokens)
+            stack.extend((c, end) for c in node.children.values())
+        return out
 
     def entries(self) -> list[tuple[int, int]]:
         """(logical tokens, resident slots) of every cached leaf path, for listings."""

@@ -16,7 +16,8 @@ logical positions).
   slots (`RadixCache.drop_slots`). A pruned node holds fewer slots than tokens; a request
   that borrows it counts all of its tokens as cached and reads the shorter view. One
   selection serves every layer and head (dense storage shares one slot table). Nodes a
-  running request reads are refused (`ChainBusyError`).
+  running request reads are refused (`ChainBusyError`); offloaded nodes are restored
+  first (refused the same way when the pool has no room).
 """
 
 from __future__ import annotations
@@ -218,8 +219,9 @@ def _prune_prefix(
             "pruning a radix-cached prefix is not supported on models with sliding-window "
             "layers; use an eviction method (chain cache) to prune such histories"
         )
-    _, node = cache.match(tokens)
+    _, node = cache.match(tokens)  # restores offloaded nodes on the way
     length = cache.depth(node)
+    _check_restored(node, tokens, length)
     if length == 0:
         raise CacheEntryNotFound("no cached prefix of these tokens")
     _check_within(ranges, length, "the cached prefix")
@@ -257,6 +259,16 @@ def _prune_prefix(
         keep_ratio,
         ranges,
     )
+
+
+def _check_restored(node: Any, tokens: list[int], length: int) -> None:
+    """The match stopped before an offloaded node: the pool had no room to restore it."""
+    stopped = node.children.get(tokens[length]) if length < len(tokens) else None
+    if stopped is not None and stopped.tier is not None:
+        raise ChainBusyError(
+            f"cached tokens from {length} on are offloaded ({stopped.tier}) and the KV pool "
+            "has no room to restore them now; retry later"
+        )
 
 
 def _check_unlocked(path: list[Any], ranges: list[tuple[int, int]]) -> None:

@@ -144,8 +144,12 @@ class Scheduler:
         """Start a fresh sequence from its longest cached prefix; returns its length."""
         if self.prefix_cache is None or self.pool.has(seq.seq_id):
             return 0
-        # At least one token must be computed: its logits give the next token.
-        slots, node = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1))
+        # At least one token must be computed: its logits give the next token. Offloaded
+        # nodes come back only if admission can still keep a slot for this request and
+        # one per running sequence: a restore the admission check then undoes would be
+        # evicted again by the running batch, and redone at the next step.
+        reserve = 1 + len(self.running)
+        slots, node = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), reserve)
         # A pruned prefix holds fewer slots than tokens: count its tokens (positions
         # stay logical), read its slots.
         cached = self.prefix_cache.depth(node)

@@ -197,7 +197,7 @@ class AsyncEngine:
                 self._fail_all("internal engine error")
                 time.sleep(_IDLE_WAIT_S)
         self._refuse_leftovers()
-        persist_chains(self._engine)  # idle chains go to the disk tier, for the next server
+        persist_chains(self._engine)  # cached state goes to the disk tier, for the next server
         logger.info("engine worker stopped")
 
     def _refuse_leftovers(self) -> None:

@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 def cache_listing(engine: Any) -> dict[str, Any]:
-    """`{"mode", "chains", "prefixes", "kv_slots_cached", "offload"}`; runs on the worker."""
+    """`{"mode", "chains", "prefixes", "kv_slots_cached"}`, plus `"offloaded"` (radix
+    nodes in a tier) and `"offload"` (bytes, counters) with offload tiers; runs on the
+    worker."""
     prefix_cache = getattr(engine, "prefix_cache", None)
     chains = getattr(engine, "chains", None)
     listing: dict[str, Any] = {"mode": "off", "chains": [], "prefixes": [], "kv_slots_cached": 0}
@@ -49,22 +51,27 @@ def cache_listing(engine: Any) -> dict[str, Any]:
             "cpu_capacity_bytes": tiers.cpu.capacity_bytes if tiers.cpu else 0,
             "disk_bytes": tiers.disk.used_bytes if tiers.disk else 0,
             "disk_capacity_bytes": tiers.disk.capacity_bytes if tiers.disk else 0,
+            "num_offloaded": int(tiers.num_offloaded),
+            "num_restored": int(tiers.num_restored),
         }
+        if prefix_cache is not None:
+            listing["offloaded"] = tiers.listing()
     return listing
 
 
 def persist_chains(engine: Any) -> None:
-    """The worker's last act: write idle chains to the disk tier (if the engine has one)."""
+    """The worker's last act: write idle chains or unlocked radix nodes to the disk tier
+    (if the engine has one)."""
     persist = getattr(engine, "persist_chains", None)  # test fakes may lack it
     if persist is None:
         return
     try:
         written = persist()
     except Exception:
-        logger.exception("could not write the idle chains to the disk tier")
+        logger.exception("could not write the cached state to the disk tier")
         return
     if written:
-        logger.info("wrote %d idle chain(s) to the disk tier", written)
+        logger.info("wrote %d cache entries (chains or radix nodes) to the disk tier", written)
 
 
 class CachePruneRequest(_Strict):

@@ -54,6 +54,30 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ),
     ("num_preemptions_total", "counter", "num_preemptions", "Preemptions (by recompute)."),
     (
+        "kv_offloaded_total",
+        "counter",
+        "num_kv_offloaded",
+        "Idle chains or radix prefix nodes moved to the CPU or disk offload tier.",
+    ),
+    (
+        "kv_restored_total",
+        "counter",
+        "num_kv_restored",
+        "Offloaded idle chains or radix prefix nodes brought back to the KV pool.",
+    ),
+    (
+        "kv_offload_cpu_bytes",
+        "gauge",
+        "kv_offload_cpu_bytes",
+        "Bytes of offloaded KV held in host memory.",
+    ),
+    (
+        "kv_offload_disk_bytes",
+        "gauge",
+        "kv_offload_disk_bytes",
+        "Bytes of offloaded KV held in the disk tier's files.",
+    ),
+    (
         "generation_tokens_total",
         "counter",
         "num_generated_tokens",
