@@ -38,40 +38,7 @@ class TritonBackend(AttentionBackend):
         table = batch.tables[group]
         lens = batch.view_lens_t[group]
         if batch.decode_only:
-            subset = subset_lens = None
-            want = [0] * batch.num_seqs
-            if window is None:
-                if batch.select_views is not None:
-                    # One batched call per layer: [S, Hkv, B] positions and [S] counts.
-                    subset, subset_lens = batch.select_views(layer, q, batch) or (None, None)
-                want = [batch.wants_scores(layer, i) for i in range(batch.num_seqs)]
-            scores = None
-            if any(want):
-                # Probabilities over the table width [S, Hq, width]: narrow the table to
-                # the batch's longest view so the buffer is not sized by max_model_len.
-                table = table[:, : batch.max_view_len(group)]
-                scores = torch.empty(
-                    (q.shape[0], q.shape[1], table.shape[-1]),
-                    dtype=torch.float32,
-                    device=q.device,
-                )
-            decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                table,
-                batch.rows_t,
-                lens,
-                scale,
-                out,
-                subset=subset,
-                subset_lens=subset_lens,
-                scores_out=scores,
-                window=window,
-            )
-            if scores is not None:
-                self._keep_scores(layer, scores, want, batch)
-            return out
+            return self._decode(layer, q, batch, scale, out, window)
         prefill_attention(
             q,
             k_cache,
@@ -92,6 +59,52 @@ class TritonBackend(AttentionBackend):
                 view = batch.view(group, i)
                 q_i = q[start : start + n][-rows:]
                 batch.put_scores(layer, i, attention_mass(q_i, k_cache[view], scale))
+        return out
+
+    def _decode(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [S, Hq, D]: one query per sequence
+        batch: ForwardBatch,
+        scale: float,
+        out: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Split-K decode over each view, a method's batched subset, and the attention
+        probabilities the methods asked for (sliding layers: their window only)."""
+        group = batch.group_of_layer[layer]
+        table = batch.tables[group]
+        subset = subset_lens = None
+        want = [0] * batch.num_seqs
+        if window is None:
+            if batch.select_views is not None:
+                # One batched call per layer: [S, Hkv, B] positions and [S] counts.
+                subset, subset_lens = batch.select_views(layer, q, batch) or (None, None)
+            want = [batch.wants_scores(layer, i) for i in range(batch.num_seqs)]
+        scores = None
+        if any(want):
+            # Probabilities over the table width [S, Hq, width]: narrow the table to the
+            # batch's longest view so the buffer is not sized by max_model_len.
+            table = table[:, : batch.max_view_len(group)]
+            scores = torch.empty(
+                (q.shape[0], q.shape[1], table.shape[-1]), dtype=torch.float32, device=q.device
+            )
+        decode_attention(
+            q,
+            self.k_cache[layer],
+            self.v_cache[layer],
+            table,
+            batch.rows_t,
+            batch.view_lens_t[group],
+            scale,
+            out,
+            subset=subset,
+            subset_lens=subset_lens,
+            scores_out=scores,
+            window=window,
+        )
+        if scores is not None:
+            self._keep_scores(layer, scores, want, batch)
         return out
 
     @staticmethod
