@@ -46,16 +46,15 @@ for part in "$@"; do
          --sparse-method snapkv --decode-keep-tokens 2048 --compare kvpress \
          --kvpress-site /tmp/kvsite --json "$OUT/snapkv_32k_b8_vs_kvpress.json" | tail -3 ;;
     sweep)
-      # Issue 4: decode throughput vs context (4K-128K), batch 1, dense vs sparse.
+      # Issue 4: decode throughput vs context (4K-128K), batch 1, dense vs sparse; one
+      # engine per method measures every length.
       mkdir -p /tmp/sweep
-      for ctx in 4096 16384 32768 65536 131072; do
-        for m in vanilla snapkv streamingllm quest omnikv; do
-          extra=""  # every method keeps / reads 2,048 tokens
-          [ "$m" = streamingllm ] && extra="--recent-keep-tokens 2044"
-          $M --prompt-len $ctx --output-len 32 --batch-size 1 --max-model-len $((ctx + 64)) \
-             --sparse-method $m --decode-keep-tokens 2048 $extra \
-             --json /tmp/sweep/${m}_${ctx}.json > /dev/null 2>&1 || echo "failed: $m $ctx"
-        done
+      for m in vanilla snapkv streamingllm quest omnikv; do
+        extra=""  # every method keeps / reads 2,048 tokens
+        [ "$m" = streamingllm ] && extra="--recent-keep-tokens 2044"
+        $M --sweep-prompt-lens 4096,16384,32768,65536,130048 --output-len 32 --batch-size 1 \
+           --max-model-len 131072 --sparse-method $m --decode-keep-tokens 2048 $extra \
+           --json /tmp/sweep/$m.json | tail -5 || echo "failed: $m"
       done
       python -m sparsevllm.bench.sweep /tmp/sweep/*.json --json "$OUT/sweep_b1.json" \
          --plot "$OUT/sweep_b1.png" --title "Llama-3-8B shapes, H200, batch 1" ;;

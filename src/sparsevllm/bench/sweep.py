@@ -30,8 +30,9 @@ def collect(paths: list[str]) -> list[dict[str, Any]]:
     """One row per report, sorted by method then context."""
     rows = []
     for path in paths:
-        report = json.loads(Path(path).read_text())
-        rows.append({k: report.get(k) for k in _FIELDS} | {"file": Path(path).name})
+        data = json.loads(Path(path).read_text())
+        for report in data if isinstance(data, list) else [data]:  # sweeps write lists
+            rows.append({k: report.get(k) for k in _FIELDS} | {"file": Path(path).name})
     return sorted(
         rows, key=lambda r: (r["sparse_method"] != "vanilla", r["sparse_method"], r["prompt_len"])
     )

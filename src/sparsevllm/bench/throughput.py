@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from sparsevllm.bench.model_configs import MODEL_CONFIGS, write_model_config
 from sparsevllm.llm import LLM
@@ -112,22 +113,40 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str,
     }
 
 
-def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+def build_llm(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> LLM:
+    """The engine under test (dummy weights for --model-config), warmed up."""
     model = engine_kwargs.pop("model", None)
     if args.model_config:
         model = write_model_config(args.model_config)
         engine_kwargs.setdefault("load_format", "dummy")
     args._model_dir = model if model and os.path.isdir(model) else None  # for kvpress
+    args._model_name = args.model_config or model
     llm = LLM(model, **engine_kwargs)
     args._llm = llm  # reused by --compare to copy the same weights
-    engine, runner = llm.engine, llm.engine.runner
-    vocab = engine.source.hf_config.vocab_size
-    batch = args.batch_size or max_batch(llm, args.prompt_len, args.output_len)
+    vocab = llm.engine.source.hf_config.vocab_size
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
     warm = [[rng.randrange(vocab) for _ in range(64)]]
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    bandwidth = measure_copy_bandwidth(runner.device)
+    return llm
+
+
+def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    llm = build_llm(args, engine_kwargs)
+    bandwidth = measure_copy_bandwidth(llm.engine.runner.device)
+    return measure(args, llm, args.prompt_len, bandwidth)
+
+
+def measure(
+    args: argparse.Namespace, llm: LLM, prompt_len: int, bandwidth: float
+) -> dict[str, Any]:
+    """One point: a batch of random `prompt_len`-token prompts through the engine."""
+    engine, runner = llm.engine, llm.engine.runner
+    vocab = engine.source.hf_config.vocab_size
+    batch = args.batch_size or max_batch(llm, prompt_len, args.output_len)
+    # Seeded per length: a sweep's prompts never share a cached prefix across points.
+    rng = random.Random(args.seed * 1_000_003 + prompt_len)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    engine.reset_counters()
     run = run_engine(llm, prompts, args.output_len)
     steps = run["decode_step_times"][1:] or run["decode_step_times"]  # first one warms up
     step = statistics.median(steps) if steps else float("nan")
@@ -138,7 +157,7 @@ def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, 
     ttft = run["ttft"]
     stats = llm.stats()
     return {
-        "model": args.model_config or model,
+        "model": args._model_name,
         "dtype": str(runner.dtype).replace("torch.", ""),
         "device": torch.cuda.get_device_name(runner.device)
         if runner.device.type == "cuda"
@@ -147,11 +166,11 @@ def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, 
         "knobs": runner.method.knobs(),
         "prefill_policy": engine.prefill_policy,
         "chunk_prefill_size": llm.config.chunk_prefill_size,
-        "prompt_len": args.prompt_len,
+        "prompt_len": prompt_len,
         "output_len": args.output_len,
         "batch_size": batch,
         "concurrency": stats["max_concurrent_seqs"],
-        "prefill_tokens_per_s": batch * args.prompt_len / run["prefill_s"],
+        "prefill_tokens_per_s": batch * prompt_len / run["prefill_s"],
         "decode_tokens_per_s": batch / step if steps else None,
         "end_to_end_tokens_per_s": batch * args.output_len / run["total_s"],
         "time_to_first_token_s": {"mean": statistics.mean(ttft), "max": max(ttft)},
@@ -197,6 +216,13 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args: Any) -> None:
     )
     p.add_argument(
         "--output-len", type=int, default=128, help="Generated tokens per request (default: 128)."
+    )
+    p.add_argument(
+        "--sweep-prompt-lens",
+        metavar="N,N,...",
+        help="Measure several prompt lengths with one engine (shortest first; the JSON is "
+        "then a list of reports, one per length, for python -m sparsevllm.bench.sweep). "
+        "--max-model-len must cover the longest.",
     )
     p.add_argument(
         "--batch-size",
@@ -249,6 +275,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     given = {k: v for k, v in config.to_dict().items() if k in vars(args)}
+    if args.sweep_prompt_lens:
+        return run_sweep(args, given)
     report = bench(args, given)
     if "hf" in args.compare:
         from sparsevllm.bench.hf_compare import hf_generate_throughput
@@ -272,4 +300,34 @@ def run_cli(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     print(text)
+    return 0
+
+
+def run_sweep(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    """--sweep-prompt-lens: one engine, one report per prompt length."""
+    try:
+        lens = sorted({int(x) for x in args.sweep_prompt_lens.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(
+            f"--sweep-prompt-lens: not a list of integers: {args.sweep_prompt_lens}"
+        ) from None
+    if not lens or min(lens) < 1:
+        raise SystemExit("--sweep-prompt-lens needs positive lengths")
+    if args.compare:
+        raise SystemExit("--compare runs one prompt length: drop --sweep-prompt-lens")
+    llm = build_llm(args, engine_kwargs)
+    bandwidth = measure_copy_bandwidth(llm.engine.runner.device)
+    reports = []
+    for n in tqdm(lens, desc="prompt lengths"):
+        reports.append(measure(args, llm, n, bandwidth))
+    text = json.dumps(reports, indent=2, default=str)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    for r in reports:
+        tps = r["decode_tokens_per_s"]
+        print(
+            f"{r['sparse_method']:12s} {r['prompt_len']:7d} tokens  batch {r['batch_size']:3d}  "
+            f"decode {tps if tps is None else round(tps, 1)} tok/s"
+        )
     return 0

@@ -18,7 +18,7 @@ from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.prune import PruneResult, prune_cache
 from sparsevllm.engine.radix_tiers import RadixTiers
 from sparsevllm.engine.runner import ModelRunner
-from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.models.loader import load_model_source
 from sparsevllm.outputs import RequestOutput
@@ -356,6 +356,12 @@ class LLMEngine:
         return self.tiers.persist(self.chains) if self.chains is not None else self.tiers.persist()
 
     # -- statistics ---------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        """Zero the scheduler's counters and the pool's peak, so a benchmark can measure
+        one phase of a long-lived engine."""
+        self.scheduler.stats = SchedulerStats()
+        self.pool.reset_peak()
+
     def stats(self) -> dict[str, Any]:
         st = self.scheduler.stats
         return {

@@ -1,0 +1,48 @@
+"""`sparsevllm bench throughput` on CPU: the report, and a context sweep with one engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparsevllm.bench import sweep
+from sparsevllm.cli import main
+
+
+def test_report_counts_the_run(tiny_llama: str, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    args = ["bench", "throughput", "--model", tiny_llama, "--prompt-len", "40"]
+    args += ["--output-len", "6", "--batch-size", "3", "--dtype", "float32"]
+    assert main(args + ["--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["prompt_len"], r["output_len"], r["batch_size"]) == (40, 6, 3)
+    assert r["concurrency"] == 3 and r["num_preemptions"] == 0
+    # Phase 2 restores every prompt from the prefix cache and decodes the batch together.
+    assert r["decode_phase_cached_tokens"] >= 3 * 40
+    assert r["decode_steps_timed"] >= 3 and r["decode_tokens_per_s"] > 0
+    assert r["peak_kv_slots"] >= 3 * 40 and 0 < r["roofline_step_s"]
+
+
+def test_sweep_reuses_one_engine_and_plots(tiny_llama: str, tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    args = ["bench", "throughput", "--model", tiny_llama, "--sweep-prompt-lens", "96,32,64"]
+    args += ["--output-len", "5", "--batch-size", "2", "--sparse-method", "snapkv"]
+    args += ["--decode-keep-tokens", "48", "--dtype", "float32", "--json", str(out)]
+    assert main(args) == 0
+    reports = json.loads(out.read_text())
+    assert [r["prompt_len"] for r in reports] == [32, 64, 96]
+    # Counters are per point: phase 2 of each point continues exactly its own 2 chains.
+    assert all(r["concurrency"] == 2 for r in reports)
+    assert [r["decode_phase_cached_tokens"] for r in reports] == [64, 128, 192]
+    png = tmp_path / "s.png"
+    assert sweep.main([str(out), "--plot", str(png), "--json", str(tmp_path / "rows.json")]) == 0
+    assert png.stat().st_size > 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [row["prompt_len"] for row in rows] == [32, 64, 96]
+
+
+def test_sweep_rejects_bad_lengths(tiny_llama: str) -> None:
+    with pytest.raises(SystemExit, match="not a list of integers"):
+        main(["bench", "throughput", "--model", tiny_llama, "--sweep-prompt-lens", "4k"])
