@@ -104,3 +104,21 @@ def test_pool_trim_frees_and_window_room_is_checked() -> None:
     assert not pool.has(8) and pool.num_used == 6
     pool.release(7)
     assert pool.used_per_layer() == [0, 0, 0]
+
+
+def test_solo_full_prefill_fits_the_window_group(model: str) -> None:
+    # long_bs1full_short_batch computes a long prompt in one step, past the step budget
+    # the window group is otherwise sized for (16 tokens here, the prompt has 40).
+    kwargs = dict(
+        sparse_method="pyramidkv",
+        decode_keep_tokens=4096,
+        long_prefill_offload_threshold=16,
+        max_num_batched_tokens=16,
+        chunk_prefill_size=16,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = LLM(model, **kwargs).generate([PROMPT], params, use_tqdm=False)[0]
+    ref = LLM(model, enable_prefix_caching=False).generate([PROMPT], params, use_tqdm=False)[0]
+    assert out.token_ids == ref.token_ids

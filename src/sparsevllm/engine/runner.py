@@ -18,7 +18,7 @@ from sparsevllm.layers.sampler import Sampler, SamplerOutput, make_generator
 from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model
 from sparsevllm.sparse.base import SeqStep
-from sparsevllm.sparse.registry import create_method
+from sparsevllm.sparse.registry import create_method, resolve_prefill_policy
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,15 @@ class ModelRunner:
         by_window: dict[int, list[int]] = {}
         for layer, window in self._sliding_layers():
             by_window.setdefault(window, []).append(layer)
-        # One step adds at most max_num_batched_tokens (prompt_logits runs in chunks).
+        # One step adds at most max_num_batched_tokens (prompt_logits runs in chunks),
+        # except a long prompt that the solo prefill policy computes in one step.
         step = max(cfg.max_num_batched_tokens, cfg.chunk_prefill_size)
+        policy = resolve_prefill_policy(cfg.sparse_method, cfg.prefill_policy)
+        if (
+            policy == "long_bs1full_short_batch"
+            and max_model_len > cfg.long_prefill_offload_threshold
+        ):
+            step = max(step, max_model_len)
         return [
             WindowGroup(layers, w, window_group_slots(w, cfg.max_num_seqs, step))
             for w, layers in sorted(by_window.items())
