@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine_helpers import run_request
 from sparsevllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -15,12 +16,7 @@ PRESSURE = dict(num_kv_slots=700, chunk_prefill_size=256, max_model_len=1024)
 
 
 def run_one(llm: LLM, prompt: list[int], params: SamplingParams = GREEDY):
-    engine = llm.engine
-    rid = engine.add_request(prompt, params)
-    out = None
-    while engine.has_unfinished_requests():
-        out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
-    return out
+    return run_request(llm.engine, prompt, params)[0]
 
 
 def other(j: int) -> list[int]:

@@ -27,21 +27,12 @@ import triton.language as tl
 
 from sparsevllm.attention.triton._common import (
     LOG2E,
+    auto_num_splits,
     check_attention_args,
     check_last_dim_contiguous,
     dot_precision,
     next_pow2,
-    num_sms,
 )
-
-# Fewest view positions worth a split of their own: below this the merge and the
-# per-program prologue cost more than the parallelism gains.
-MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 64
-# Programs per SM to aim for. Measured on an H200 (8K views, Hkv 8, D 128, CUDA-graph
-# timed): the best split count kept batch x Hkv x splits at ~512 = ~4 per SM for every
-# batch from 4 to 64, and going past it (an extra partial wave) was clearly slower.
-PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -240,17 +231,6 @@ def _scores_normalize_kernel(
     in_view = offs < view_len
     x = tl.load(ptr, mask=in_view, other=float("-inf"))
     tl.store(ptr, tl.where(in_view, tl.exp2(x - lse), 0.0), mask=offs < max_len)
-
-
-def auto_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Most splits that keep batch x Hkv x splits within ~PROGRAMS_PER_SM per SM.
-
-    Depends on shapes only (never on the lengths' values), so it is graph-safe.
-    """
-    base = max(1, batch * num_kv_heads)
-    want = PROGRAMS_PER_SM * num_sms(device) // base
-    by_len = max(1, max_len // MIN_SPLIT_TOKENS)
-    return max(1, min(want, by_len, MAX_SPLITS))
 
 
 def decode_attention(
