@@ -117,7 +117,9 @@ def decode_reference(q, k_cache, v_cache, table, rows, lens, scale, subset=None,
     return out, probs
 
 
-def run_decode(dtype, heads, head_dim, lens, num_splits, subset_cap=None, scores=False, seed=0):
+def run_decode(
+    dtype, heads, head_dim, lens, num_splits, subset_cap=None, scores=False, seed=0, **kw
+):
     num_q_heads, num_kv_heads = heads
     k_cache, v_cache, table, rows, view_lens = make_pool(lens, num_kv_heads, head_dim, dtype, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -145,6 +147,7 @@ def run_decode(dtype, heads, head_dim, lens, num_splits, subset_cap=None, scores
         subset_lens=counts,
         scores_out=scores_out,
         num_splits=num_splits,
+        **kw,
     )
     ref, probs = decode_reference(
         q, k_cache, v_cache, table, rows, view_lens, scale, subset, counts
@@ -167,6 +170,14 @@ def run_decode(dtype, heads, head_dim, lens, num_splits, subset_cap=None, scores
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 def test_decode(dtype, heads, head_dim, num_splits):
     run_decode(dtype, heads, head_dim, DECODE_LENS, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("subset_cap", [None, 200])
+def test_decode_sequences_fastest_grid_order(num_splits, subset_cap):
+    # The benchmark's alternative launch order computes the same thing.
+    lens = DECODE_LENS
+    run_decode(torch.float32, (8, 2), 64, lens, num_splits, subset_cap, True, heads_fastest=False)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4, 64])
@@ -203,11 +214,14 @@ def test_decode_padding_row_is_zero():
 
 def test_auto_num_splits_depends_on_shapes_only():
     dev = torch.device("cpu")  # assumes 132 SMs (an H100/H200)
-    assert auto_num_splits(64, 8, 8192, dev) == 1  # 512 programs already fill the GPU
-    assert auto_num_splits(32, 8, 8192, dev) == 2
-    assert auto_num_splits(8, 8, 8192, dev) == 8
+    assert auto_num_splits(128, 8, 2112, dev) == 4  # ~24 programs per SM
+    assert auto_num_splits(64, 8, 8192, dev) == 7
+    assert auto_num_splits(32, 8, 32768, dev) == 13
+    assert auto_num_splits(8, 8, 131072, dev) == 50
     assert auto_num_splits(1, 8, 8192, dev) == 32  # capped by MIN_SPLIT_TOKENS
+    assert auto_num_splits(1, 8, 1 << 20, dev) == 64  # capped by MAX_SPLITS
     assert auto_num_splits(1, 8, 100, dev) == 1  # too short to split
+    assert auto_num_splits(512, 8, 8192, dev) == 1
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])

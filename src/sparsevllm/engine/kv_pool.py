@@ -19,6 +19,7 @@ admission and reports use (`num_free`, `num_used`, `peak_used`) cover the main g
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 
@@ -181,6 +182,32 @@ class KVPool:
         for table, slots in zip(tables, new):
             table.extend(slots)
         return new
+
+    def append_batch(self, seq_ids: list[int], counts: list[int]) -> bool:
+        """`append(seq_ids[i], counts[i])` for every i at once, if the free slots cover
+        them all without reclaiming cached state; returns False (nothing done) if not.
+
+        A decode step appends to every group of every running sequence: one slice of
+        each group's free list instead of one allocation per sequence and group.
+        """
+        total = sum(counts)
+        if any(total > a.num_free for a in self._alloc) or not all(
+            s in self.tables for s in seq_ids
+        ):
+            return False
+        ends = list(itertools.accumulate(counts))
+        starts = [e - c for e, c in zip(ends, counts)]
+        single = all(c == 1 for c in counts)
+        for g, alloc in enumerate(self._alloc):
+            slots = alloc.allocate(total)
+            tables = [self.tables[s][g] for s in seq_ids]
+            if single:
+                for table, slot in zip(tables, slots):
+                    table.append(slot)
+            else:
+                for table, a, b in zip(tables, starts, ends):
+                    table.extend(slots[a:b])
+        return True
 
     def append_per_group(self, seq_id: int, counts: list[int]) -> None:
         """Give a new view `counts[g]` slots in group g (restoring offloaded state)."""

@@ -297,10 +297,19 @@ class ModelRunner:
             if s.samples:
                 logits_rows.append(len(ids) - 1)
             steps.append(SeqStep(seq.seq_id, i, s.start, n, seq.num_prompt_tokens))
-            for g in range(pool.num_groups):
-                table = pool.table(seq.seq_id, g)
-                slot_rows[g].extend(table[-n:])
-                view_lens[g].append(len(table))
+        # Per group, one pass over the batch: with one group per layer this loop runs
+        # num_seqs x num_layers times per step, so it stays free of calls.
+        views = [pool.tables[i] for i in seq_ids]
+        counts = [s.num_new_tokens for s in sched.scheduled]
+        single = all(n == 1 for n in counts)
+        for g in range(pool.num_groups):
+            tables = [v[g] for v in views]
+            view_lens[g] = [len(t) for t in tables]
+            if single:
+                slot_rows[g] = [t[-1] for t in tables]
+            else:
+                for t, n in zip(tables, counts):
+                    slot_rows[g].extend(t[-n:])
         score_rows = [self.method.score_rows(st) for st in steps]
         decode = [int(st.is_decode) for st in steps]
         # One host-to-device copy for all per-step integers, split on the device.

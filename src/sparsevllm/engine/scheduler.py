@@ -200,6 +200,8 @@ class Scheduler:
         return min(seq.num_uncomputed_tokens, self.chunk_prefill_size, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        if self._schedule_all_running(out, budget):
+            return budget - out.num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -225,6 +227,23 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _schedule_all_running(self, out: SchedulerOutput, budget: int) -> bool:
+        """The common step (every running sequence fits, nothing to preempt): schedule
+        them all with one batched allocation. Returns False to take the general path."""
+        running = self.running
+        if not running:
+            return False
+        counts = [self._chunk(seq, budget) for seq in running]
+        if sum(counts) > budget or 0 in counts:
+            return False  # the budget runs out part-way: the general path decides
+        needs = [self.slots_for_step(seq, n) for seq, n in zip(running, counts)]
+        if not self.pool.append_batch([seq.seq_id for seq in running], needs):
+            return False
+        out.scheduled.extend(
+            ScheduledSeq(seq, seq.num_computed_tokens, n) for seq, n in zip(running, counts)
+        )
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -8,6 +8,8 @@ scatter for the whole batch); an eviction rewrites the affected row.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from sparsevllm.engine.kv_pool import KVPool
@@ -42,18 +44,29 @@ class DeviceSlotTables:
         """Upload the entries the pool appended since the last sync, in one scatter."""
         flat_index: list[int] = []
         values: list[int] = []
-        rows_per_group = self.table.shape[1] * self.max_len
+        group_stride = self.table.shape[1] * self.max_len
+        num_groups = self.pool.num_groups
+        # Runs for num_seqs x num_groups views per step (one group per layer for
+        # eviction methods), so the common case (every group grew by one entry, a
+        # decode step) is done with C-level map()s instead of a Python loop per group.
         for seq_id in seq_ids:
-            row = self.row(seq_id)
+            row_base = self.row(seq_id) * self.max_len
             synced = self._synced[seq_id]
-            for g in range(self.pool.num_groups):
-                table = self.pool.table(seq_id, g)
-                if len(table) < synced[g]:
+            tables = self.pool.tables[seq_id]
+            lens = list(map(len, tables))
+            grew = list(map(operator.sub, lens, synced))
+            if grew.count(1) == num_groups:
+                bases = range(row_base, row_base + num_groups * group_stride, group_stride)
+                flat_index.extend(map(operator.add, bases, synced))
+                values.extend(map(operator.getitem, tables, synced))
+            elif any(grew):
+                if min(grew) < 0:
                     raise RuntimeError("slot table shrank without a rewrite")
-                base = g * rows_per_group + row * self.max_len
-                flat_index.extend(range(base + synced[g], base + len(table)))
-                values.extend(table[synced[g] :])
-                synced[g] = len(table)
+                for g, (table, done, n) in enumerate(zip(tables, synced, lens)):
+                    base = g * group_stride + row_base
+                    flat_index.extend(range(base + done, base + n))
+                    values.extend(table[done:])
+            self._synced[seq_id] = lens
         if values:
             index = _upload(flat_index, torch.long, self.device)
             self.table.view(-1).index_copy_(0, index, _upload(values, torch.int32, self.device))

@@ -277,6 +277,11 @@ class ScoreEviction(SparseMethod):
     def layer_budget(self, layer: int) -> int:
         return self.config.decode_keep_tokens
 
+    def may_compress(self, step: SeqStep) -> bool:
+        """Cheap per-step test before `should_compress` is asked for every layer (a decode
+        step of a large batch would otherwise cost num_seqs x num_layers calls)."""
+        return step.finishes_prompt
+
     def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
         return step.finishes_prompt and resident > self.layer_budget(layer)
 
@@ -297,6 +302,8 @@ class ScoreEviction(SparseMethod):
 
     def after_step(self, steps, scores, kv):  # noqa: D102 (documented on the base)
         for step in steps:
+            if not self.may_compress(step):
+                continue
             for layer in self.layers:
                 resident = kv.resident(step.seq_id, layer)
                 if not self.should_compress(step, resident, layer):

@@ -39,6 +39,9 @@ class H2O(ScoreEviction):
     def score_rows(self, step: SeqStep) -> int:
         return step.num_new
 
+    def may_compress(self, step: SeqStep) -> bool:
+        return True  # also evicts during decode, every `interval` tokens
+
     def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
         if resident > self.budget + self.interval:
             return True

@@ -77,18 +77,21 @@ def check_attention_args(
 # per-program prologue cost more than the parallelism gains.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
-# Programs per SM to aim for. Measured on an H200 (8K views, Hkv 8, D 128, CUDA-graph
-# timed): the best split count kept batch x Hkv x splits at ~512 = ~4 per SM for every
-# batch from 4 to 64, and going past it (an extra partial wave) was clearly slower.
-PROGRAMS_PER_SM = 4
+# Programs per SM to aim for. Measured on an H200 (Hkv 8, D 128, contiguous views,
+# CUDA-graph timed; docs/benchmarks/h200/split_sweep.json): with few programs per SM a
+# long view is read well below the copy bandwidth (batch 24 x 32K: 2 splits, 3 per SM,
+# 1.46x the byte floor; 16 splits 1.10x), and many small splits cost little (128 x 2K:
+# 1 split 1.31x, 3-8 splits 1.20x; 64 x 8K: 1 split 1.23x, 6-16 splits 1.13x).
+PROGRAMS_PER_SM = 24
 
 
 def auto_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Most splits that keep batch x Hkv x splits within ~PROGRAMS_PER_SM per SM.
+    """Fewest splits that give ~PROGRAMS_PER_SM programs per SM, within the view's
+    length (MIN_SPLIT_TOKENS per split) and MAX_SPLITS.
 
     Depends on shapes only (never on the lengths' values), so it is graph-safe.
     """
     base = max(1, batch * num_kv_heads)
-    want = PROGRAMS_PER_SM * num_sms(device) // base
+    want = -(-PROGRAMS_PER_SM * num_sms(device) // base)  # ceil
     by_len = max(1, max_len // MIN_SPLIT_TOKENS)
     return max(1, min(want, by_len, MAX_SPLITS))

@@ -139,6 +139,38 @@ def bench_decode_small(device: torch.device, bw: float, ctx: int) -> list[dict[s
     return results
 
 
+def bench_split_sweep(device: torch.device, bw: float, shape: str) -> dict[str, Any]:
+    """Decode at `BATCHxCTX` (CUDA-graph timed) for a range of split counts: how far the
+    automatic choice is from the best one at engine-like shapes."""
+    batch, ctx = (int(x) for x in shape.lower().split("x"))
+    num_slots = batch * ctx
+    k_cache = torch.randn(num_slots, HKV, D, device=device, dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    # Contiguous views, as the engine's free list mostly hands out.
+    table = torch.arange(num_slots, device=device, dtype=torch.int32).view(batch, ctx)
+    rows = torch.arange(batch, dtype=torch.int32, device=device)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HQ, D, device=device, dtype=DTYPE)  # [B, Hq, D]
+    out = torch.empty_like(q)
+    floor_ms = 2 * k_cache.numel() * k_cache.element_size() / bw * 1e3
+    auto = auto_num_splits(batch, HKV, ctx, device)
+    args = (q, k_cache, v_cache, table, rows, lens, D**-0.5, out)
+    result: dict[str, Any] = dict(shape=shape, floor_ms=floor_ms, auto_splits=auto)
+    # Grid orders: KV heads fastest (the default) and sequences fastest (the old one).
+    for order, heads_fastest in (("heads_fastest", True), ("seqs_fastest", False)):
+        times = {}
+        for splits in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, auto}):
+            if splits * 256 <= ctx or splits == 1:
+                fn = functools.partial(
+                    decode_attention, *args, num_splits=splits, heads_fastest=heads_fastest
+                )
+                times[splits] = graph_ms(fn)
+        result[order] = dict(ms_by_splits=times, best_splits=min(times, key=times.get))
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+    return result
+
+
 def bench_prefill(device: torch.device, seq: int) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(seq, HQ, D, device=device, dtype=DTYPE, generator=gen)  # [T, Hq, D]
@@ -204,11 +236,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--prefill-len", type=int, default=32768)
+    parser.add_argument(
+        "--split-sweep",
+        default="",
+        help="comma-separated BATCHxCTX decode shapes to time for every split count "
+        "(e.g. 24x32768,128x2112); alone, skips the other benchmarks",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
+    if args.split_sweep:
+        sweep = [bench_split_sweep(device, bw, sh) for sh in args.split_sweep.split(",")]
+        for r in sweep:
+            print(f"decode {r['shape']}: floor {r['floor_ms']:.3f} ms, auto {r['auto_splits']}")
+            for order in ("heads_fastest", "seqs_fastest"):
+                o = r[order]
+                cells = "  ".join(f"{k}:{v:.3f}" for k, v in o["ms_by_splits"].items())
+                print(f"  {order}: best {o['best_splits']} | splits:ms {cells}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(copy_bw_tb_per_s=bw / 1e12, split_sweep=sweep), f, indent=2)
+        return
     dec = bench_decode(device, bw, args.batch, args.ctx)
     small = bench_decode_small(device, bw, args.ctx)
     torch.cuda.empty_cache()

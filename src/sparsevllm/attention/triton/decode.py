@@ -76,12 +76,21 @@ def _decode_partial_kernel(
     HAS_SUBSET: tl.constexpr,
     WRITE_SCORES: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
     """Program (s, kv head, split): online softmax over one split of the view."""
-    s = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FASTEST:
+        # The KV heads of one (sequence, split) are neighbouring programs and run
+        # together over the same slot rows (measured on the H200: no faster than
+        # sequences first, docs/benchmarks/h200/split_sweep.json; kept for the sweep).
+        kvh = tl.program_id(0)
+        s = tl.program_id(1)
+        num_q_heads = tl.num_programs(0) * GROUP
+    else:
+        s = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_q_heads = tl.num_programs(1) * GROUP
     split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * GROUP
 
     row = tl.load(rows_ptr + s).to(tl.int64)
     view_len = tl.load(lens_ptr + s)
@@ -251,6 +260,7 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    heads_fastest: bool = True,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its view; writes and returns `out`.
 
@@ -263,7 +273,8 @@ def decode_attention(
     `window` (sliding-window layers, not with `subset`): read only the last `window`
     view entries (scores elsewhere are 0).
     `num_splits=None` picks the split count from shapes (see `auto_num_splits`);
-    `block_n`, `num_warps`, `num_stages` tune the split kernel.
+    `block_n`, `num_warps`, `num_stages` tune the split kernel; `heads_fastest=False`
+    launches sequences as the fastest grid dimension (the old order, for benchmarks).
     """
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -312,7 +323,8 @@ def decode_attention(
     else:
         ws_m = ws_l = ws_acc = None
     has_subset = subset is not None
-    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_seqs) if heads_fastest else (num_seqs, num_kv_heads)
+    _decode_partial_kernel[(*grid, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -352,6 +364,7 @@ def decode_attention(
         HAS_SUBSET=has_subset,
         WRITE_SCORES=write_scores,
         DOT_PREC=dot_precision(k_cache.dtype),
+        HEADS_FASTEST=heads_fastest,
         num_warps=num_warps,
         num_stages=num_stages,
     )

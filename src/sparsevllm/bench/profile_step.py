@@ -1,0 +1,145 @@
+"""Where a decode step's time goes: wall time vs. GPU kernel time, per kernel.
+
+    python -m sparsevllm.bench.profile_step --model-config llama3-8b --prompt-len 8192 \\
+        --batch-size 24 --sparse-method quest --decode-keep-tokens 2048 --json prof.json
+
+Prefills a batch of random prompts (dummy weights), then times `--steps` decode steps
+(synchronised wall time per step, with the engine's CUDA graphs unless
+`--enforce-eager`), then the same number of eager steps, and profiles eager steps with
+`torch.profiler`: GPU time per kernel name, per step. Kernels are profiled eagerly so
+that every launch is attributed; wall time minus kernel time is host work (and launch
+gaps) that the GPU waits for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from sparsevllm import LLM, SamplingParams
+from sparsevllm.bench.model_configs import MODEL_CONFIGS, write_model_config
+
+# Early sequences decode while later ones prefill: room for that, so that none finishes
+# before the profiled steps.
+MAX_TOKENS = 2048
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--model-config",
+        default="llama3-8b",
+        choices=sorted(MODEL_CONFIGS),
+        help="real model shapes, dummy weights",
+    )
+    p.add_argument("--prompt-len", type=int, default=8192, help="tokens per prompt")
+    p.add_argument("--batch-size", type=int, default=24, help="sequences decoding together")
+    p.add_argument("--steps", type=int, default=8, help="decode steps timed and profiled")
+    p.add_argument("--sparse-method", default="vanilla", help="registered method name")
+    p.add_argument("--decode-keep-tokens", type=int, default=None, help="method budget")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode")
+    p.add_argument("--rows", type=int, default=25, help="kernels shown in the table")
+    p.add_argument("--json", help="write the step times and the kernel table here")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> LLM:
+    kwargs: dict[str, Any] = dict(
+        load_format="dummy",
+        max_model_len=args.prompt_len + MAX_TOKENS,
+        max_num_seqs=args.batch_size,
+        sparse_method=args.sparse_method,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=False,
+    )
+    if args.decode_keep_tokens is not None:
+        kwargs["decode_keep_tokens"] = args.decode_keep_tokens
+    return LLM(write_model_config(args.model_config), **kwargs)
+
+
+def start_decoding(llm: LLM, args: argparse.Namespace) -> None:
+    """Add the batch and step until every sequence has its first token."""
+    engine = llm.engine
+    vocab = engine.source.hf_config.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(args.batch_size):
+        engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
+    running = engine.scheduler.running
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in running):
+        engine.step()
+    for _ in range(3):  # the first decode steps build method state (e.g. Quest pages)
+        engine.step()
+    if len(running) != args.batch_size or any(s.num_preemptions for s in running):
+        raise SystemExit(
+            f"only {len(running)} of {args.batch_size} sequences decode together (KV pool too "
+            "small, or preempted): lower --batch-size or --prompt-len"
+        )
+
+
+def timed_steps(llm: LLM, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def kernel_table(llm: LLM, n: int) -> tuple[list[dict[str, Any]], str]:
+    """GPU time per kernel name and step, from `n` profiled steps."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(n):
+            llm.engine.step()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_name.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.elapsed_us()
+    table = [
+        dict(name=name, calls_per_step=c / n, gpu_ms_per_step=us / 1e3 / n)
+        for name, (c, us) in per_name.items()
+    ]
+    table.sort(key=lambda r: r["gpu_ms_per_step"], reverse=True)
+    return table, prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_step needs a CUDA GPU")
+    llm = build(args)
+    start_decoding(llm, args)
+    step_ms = statistics.median(timed_steps(llm, args.steps)) * 1e3
+    llm.engine.runner.graphs = None  # the runner replays graphs only when it has them
+    eager_ms = statistics.median(timed_steps(llm, args.steps)) * 1e3
+    table, cpu_text = kernel_table(llm, args.steps)
+    print(cpu_text)
+    print(f"{'kernel':<80} {'calls':>6} {'ms/step':>8}")
+    for r in table[: args.rows]:
+        print(f"{r['name'][:80]:<80} {r['calls_per_step']:6.0f} {r['gpu_ms_per_step']:8.3f}")
+    kernel_ms = sum(r["gpu_ms_per_step"] for r in table)
+    print(
+        f"{args.sparse_method} b{args.batch_size} x {args.prompt_len}: step {step_ms:.2f} ms "
+        f"({'eager' if args.enforce_eager else 'graphs'}), eager {eager_ms:.2f} ms, "
+        f"kernels {kernel_ms:.2f} ms of GPU time per step"
+    )
+    if args.json:
+        result = dict(args=vars(args), step_ms=step_ms, eager_step_ms=eager_ms, kernel_ms=kernel_ms)
+        with open(args.json, "w") as f:
+            json.dump({**result, "kernels": table}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
