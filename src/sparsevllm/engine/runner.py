@@ -224,6 +224,7 @@ class ModelRunner:
         """Run the model over the scheduled tokens and sample for finished prefills/decodes."""
         batch, input_ids, steps = self._prepare(sched, pool)
         if self._use_graph(batch):
+            self.graphs.refresh()
             logits = self.graphs.run(batch, input_ids)[batch.logits_indices]  # [S, vocab]
         else:
             hidden = self.model(input_ids, batch)  # [T, hidden]
@@ -263,7 +264,7 @@ class ModelRunner:
             and batch.decode_only
             and self.graphs.fits(batch.num_seqs)
             and not any(batch.score_rows)
-            and not self.method.uses_decode_view
+            and (not self.method.uses_decode_view or self.method.graph_decode_views)
         )
 
     def bind_pool(self, pool: KVPool, num_rows: int, max_len: int) -> None:

@@ -74,6 +74,7 @@ class KVAccess(Protocol):
     num_layers: int
     num_kv_heads: int
     num_slots: int  # slots of a full-attention layer's KV tensor
+    device: torch.device
 
     def resident(self, seq_id: int, layer: int) -> int: ...
 
@@ -113,9 +114,14 @@ class SparseMethod:
 
     name: ClassVar[str] = ""
     per_layer_groups: ClassVar[bool] = False
-    # True when select_view(s) may narrow what a decode query reads (the host then runs
-    # the decode step eagerly, outside a CUDA graph).
+    # True when select_view(s) may narrow what a decode query reads. The host then runs
+    # the decode step eagerly, outside a CUDA graph, unless graph_decode_views is set too:
+    # select_views reads only device tensors of fixed shapes (allocated by
+    # prepare_graph_capture, replaced only with a new graph_epoch) plus the batch's
+    # rows_t / view_lens_t / decode_t, never host lists, so a captured decode graph can
+    # compute the views itself.
     uses_decode_view: ClassVar[bool] = False
+    graph_decode_views: ClassVar[bool] = False
     score_layers: frozenset[int] | None = None  # None: every layer reports scores
 
     def __init__(
@@ -167,6 +173,17 @@ class SparseMethod:
 
     def begin_step(self, batch: ForwardBatch) -> None:
         """Before the forward (host side): prepare what `select_views` reads."""
+
+    def prepare_graph_capture(self, kv: KVAccess, num_rows: int, max_len: int) -> None:
+        """Before decode graphs are captured (graph_decode_views methods): allocate, at
+        their final shapes, the device tensors select_views reads; a graph keeps their
+        addresses. `num_rows` x `max_len` is the slot tables' shape."""
+
+    @property
+    def graph_epoch(self) -> int:
+        """Changes whenever prepare_graph_capture's tensors are reallocated: decode graphs
+        captured before then are stale and are captured again."""
+        return 0
 
     def select_view(
         self, layer: int, row: int, q: torch.Tensor, batch: ForwardBatch

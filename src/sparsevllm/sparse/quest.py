@@ -28,10 +28,10 @@ _ACTIVE = "quest_sparse"  # method_cache key: some decode row of the step needs 
 
 class Quest(SparseMethod):
     name = "quest"
-    # Still eager: select_views itself is sync-free with config/shape-sized outputs, but
-    # the graph's static batch does not carry its inputs (decode_t, the page state) and
-    # the page pool may be reallocated when it grows, which a captured graph would miss.
+    # select_views is sync-free with config/shape-sized outputs and reads the page pool
+    # and table, allocated before capture; a pool that grows bumps graph_epoch.
     uses_decode_view = True
+    graph_decode_views = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -63,9 +63,19 @@ class Quest(SparseMethod):
             shape = (rows, max_len // size)
             self.pages.update(batch.kv, need, shape, batch.rows_t.device)
 
+    def prepare_graph_capture(self, kv, num_rows, max_len):
+        if self.pages is not None:
+            self.pages.allocate(kv, (num_rows, max_len // self.config.quest_chunk_size))
+
+    @property
+    def graph_epoch(self) -> int:
+        return self.pages.epoch if self.pages is not None else 0
+
     def select_views(self, layer, q, batch):
         # Host flag from begin_step: a step with no row past the budget reads everything.
-        if layer in self._dense_layers or not batch.method_cache.get(_ACTIVE, False):
+        # A captured graph has no such flag and always selects (rows within the budget
+        # read their whole context either way).
+        if layer in self._dense_layers or not batch.method_cache.get(_ACTIVE, True):
             return None
         size = self.config.quest_chunk_size
         context = batch.view_lens_t[batch.group_of_layer[layer]] - 1  # [S]

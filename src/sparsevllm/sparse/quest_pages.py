@@ -44,6 +44,7 @@ class QuestPages:
         self._key: dict[int, tuple[int, ...]] = {}  # page id -> slot ids
         self._refs: dict[int, int] = {}  # page id -> sequences holding it
         self._free: list[int] = []
+        self.epoch = 0  # bumped when `bounds` are reallocated (graphs hold their addresses)
 
     @property
     def capacity(self) -> int:
@@ -54,6 +55,13 @@ class QuestPages:
 
     def pages_in_use(self) -> int:
         return len(self._refs)
+
+    def allocate(self, kv: KVAccess, table_shape: tuple[int, int]) -> None:
+        """Create the table and the initial page pool now rather than on first use."""
+        if self.table is None:
+            self.table = torch.zeros(table_shape, dtype=torch.int32, device=kv.device)
+        if not self.bounds:
+            self._grow(kv)
 
     def update(
         self,
@@ -121,6 +129,7 @@ class QuestPages:
                 bounds[:old] = self.bounds[layer]
             self.bounds[layer] = bounds
         if old:
+            self.epoch += 1
             logger.warning("Quest page pool grew from %d to %d pages", old, size)
         self._free.extend(range(size - 1, old - 1, -1))
 

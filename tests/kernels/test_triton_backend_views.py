@@ -1,0 +1,57 @@
+"""The Triton backend inside the engine, on CPU under the Triton interpreter (or on CUDA):
+decoding rows of a batch that also holds prefill chunks read the method's view, as the
+reference backend does."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs a CUDA GPU, or TRITON_INTERPRET=1", allow_module_level=True)
+
+from sparsevllm import LLM, SamplingParams  # noqa: E402
+from sparsevllm.attention import triton_backend  # noqa: E402
+from sparsevllm.engine import runner as runner_module  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Staggered lengths and a small chunk: the long prompts are still prefilling while the
+# short ones decode, so most steps mix prefill chunks with decoding rows.
+PROMPTS = [[1, 5, 6, 7], [1] + list(range(10, 40)), [1] + list(range(100, 170))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+CASES = {
+    "quest": dict(decode_keep_tokens=8, quest_chunk_size=4, quest_skip_layers=1),
+    "omnikv": dict(decode_keep_tokens=8, full_attention_layers=(0, 2)),
+}
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_mixed_batches_apply_decode_views(tiny_model_factory, method, monkeypatch):
+    model = tiny_model_factory("llama4")
+    kwargs = dict(
+        sparse_method=method,
+        dtype="float32",
+        chunk_prefill_size=8,
+        recent_keep_tokens=0,
+        sink_keep_tokens=0,
+        enforce_eager=True,
+        **CASES[method],
+    )
+    ref = LLM(model, device="cpu", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
+    mixed_rows = []
+    single = triton_backend.TritonBackend._single_query_views
+
+    def spy(self, layer, q, batch, scale, out):
+        mixed_rows.append(sum(1 for n in batch.q_lens if n == 1))
+        return single(self, layer, q, batch, scale, out)
+
+    monkeypatch.setattr(triton_backend.TritonBackend, "_single_query_views", spy)
+    monkeypatch.setattr(runner_module, "default_backend_name", lambda device: "triton")
+    llm = LLM(model, device=DEVICE, **kwargs)
+    assert llm.engine.runner.backend.name == "triton"
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert mixed_rows and max(mixed_rows) >= 1  # decoding rows met prefill chunks
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
