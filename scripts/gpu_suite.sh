@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
-#   PART = tests | multiturn | dense | long | b24 | profile | kvpress | sweep | gguf-part | quality
+#   PART = tests | multiturn | dense | long | b24 | overlap | prefill32k | profile | kvpress | sweep |
+#          gguf-part | quality
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -65,6 +66,23 @@ for part in "$@"; do
         $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --batch-size 24 \
            --sparse-method $m --decode-keep-tokens 2048 --json "$OUT/${m}_32k_b24.json" \
            | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
+      done ;;
+    overlap)
+      # Issue 4: overlapped scheduling off / on, dense batch 64 x 8K and SnapKV batch 128.
+      for a in "" "--async-scheduling"; do
+        $M --prompt-len 8192 --output-len 128 --batch-size 64 --max-model-len 8448 $a \
+           --json "$OUT/dense_b64_8k${a:+_async}.json" \
+           | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
+        python -m sparsevllm.bench.profile_step --prompt-len 4096 --batch-size 128 --steps 6 \
+           --sparse-method snapkv --decode-keep-tokens 2048 $a \
+           --json "$OUT/profile_snapkv_b128${a:+_async}.json" | tail -2
+      done ;;
+    prefill32k)
+      # Issue 4: a 32K prompt's prefill against HF (SDPA attention + the same matmuls).
+      for c in 2048 32768; do
+        $M --prompt-len 32768 --output-len 16 --batch-size 1 --max-model-len 32896 \
+           --chunk-prefill-size $c --compare hf --json "$OUT/prefill_32k_chunk${c}_vs_hf.json" \
+           | grep -E '"prefill_tokens_per_s"|prefill_ratio_vs_hf'
       done ;;
     profile)
       # Where decode steps spend their time (kernel table + wall time, graphs vs eager).

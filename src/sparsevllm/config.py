@@ -38,6 +38,8 @@ FIELD_HELP: dict[str, str] = {
     "gpu_memory_utilization": "On CUDA without an explicit pool size: fraction of the device "
     "memory the engine may use (weights + activations + KV pool).",
     "enforce_eager": "Disable CUDA-graph capture of the decode step.",
+    "async_scheduling": "Overlap the host's per-step work with the device: launch the next "
+    "steady decode step before the current one's tokens reach the host (same outputs).",
     "sparse_method": "KV sparsity method (see `sparsevllm methods`).",
     "prefill_policy": "all_chunked or long_bs1full_short_batch (default: the method's, from "
     "the registry; a contradicting choice is an error).",
@@ -105,6 +107,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    async_scheduling: bool = False
     sparse_method: str = "vanilla"
     prefill_policy: str | None = None
     long_prefill_offload_threshold: int = 65536
@@ -146,6 +149,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_type("enforce_eager", self.enforce_eager, bool)
+        _check_type("async_scheduling", self.async_scheduling, bool)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.chunk_prefill_size > self.max_num_batched_tokens:

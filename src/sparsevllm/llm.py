@@ -130,6 +130,7 @@ class LLM:
         settings reuses them, then free the engine's device memory (weights, KV pool,
         CUDA graphs) so another engine can start in this process; this LLM cannot
         generate afterwards."""
+        self.engine.drain()
         self.engine.persist_chains()
         self.engine.runner.free_device_memory(weights=True)
 

@@ -46,3 +46,25 @@ def test_sweep_reuses_one_engine_and_plots(tiny_llama: str, tmp_path: Path) -> N
 def test_sweep_rejects_bad_lengths(tiny_llama: str) -> None:
     with pytest.raises(SystemExit, match="not a list of integers"):
         main(["bench", "throughput", "--model", tiny_llama, "--sweep-prompt-lens", "4k"])
+
+
+def test_compare_hf_reports_ratios(tiny_llama: str, tmp_path: Path) -> None:
+    out = tmp_path / "hf.json"
+    args = ["bench", "throughput", "--model", tiny_llama, "--prompt-len", "40"]
+    args += ["--output-len", "4", "--batch-size", "2", "--dtype", "float32", "--compare", "hf"]
+    assert main(args + ["--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["hf"]["prefill_tokens_per_s"] > 0 and r["hf"]["end_to_end_tokens_per_s"] > 0
+    ratio = r["prefill_tokens_per_s"] / r["hf"]["prefill_tokens_per_s"]
+    assert r["prefill_ratio_vs_hf"] == pytest.approx(ratio)
+    assert r["speedup_vs_hf_end_to_end"] > 0
+
+
+def test_async_scheduling_flag_reaches_the_engine(tiny_llama: str, tmp_path: Path) -> None:
+    out = tmp_path / "a.json"
+    args = ["bench", "throughput", "--model", tiny_llama, "--prompt-len", "40"]
+    args += ["--output-len", "8", "--batch-size", "3", "--dtype", "float32"]
+    assert main(args + ["--async-scheduling", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["async_scheduling"] is True and r["cuda_graphs"] is False
+    assert r["decode_steps_timed"] >= 3 and r["decode_tokens_per_s"] > 0

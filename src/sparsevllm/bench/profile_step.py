@@ -24,6 +24,7 @@ import torch
 
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.bench.model_configs import MODEL_CONFIGS, write_model_config
+from sparsevllm.layers.sampler import SampledTokens
 
 # Early sequences decode while later ones prefill: room for that, so that none finishes
 # before the profiled steps.
@@ -44,6 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sparse-method", default="vanilla", help="registered method name")
     p.add_argument("--decode-keep-tokens", type=int, default=None, help="method budget")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode")
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="launch the next decode step before the current one's tokens reach the host",
+    )
     p.add_argument("--rows", type=int, default=25, help="kernels shown in the table")
     p.add_argument("--json", help="write the step times and the kernel table here")
     return p.parse_args(argv)
@@ -56,6 +62,7 @@ def build(args: argparse.Namespace) -> LLM:
         max_num_seqs=args.batch_size,
         sparse_method=args.sparse_method,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         enable_prefix_caching=False,
     )
     if args.decode_keep_tokens is not None:
@@ -94,6 +101,50 @@ def timed_steps(llm: LLM, n: int) -> list[float]:
     return times
 
 
+def host_phases(llm: LLM, n: int) -> dict[str, float]:
+    """Milliseconds per step in each host phase of `n` steps (as configured: graphs or
+    eager). "wait_tokens" is the wait for the sampled tokens (the GPU's step time that
+    the host did not overlap); "other" is the rest of the engine's step (outputs, finish
+    checks, and the eager forward when no graph runs)."""
+    engine, runner = llm.engine, llm.engine.runner
+    targets = {
+        "schedule": (engine.scheduler, "schedule"),
+        "prepare": (runner, "_prepare"),
+        "graph_replay": (runner.graphs, "run"),
+        "after_step": (runner.method, "after_step"),
+        "sample_launch": (runner.sampler, "launch"),
+        "wait_tokens": (SampledTokens, "result"),
+    }
+    spent = dict.fromkeys(targets, 0.0)
+    originals = {}
+    for name, (obj, attr) in targets.items():
+        if obj is None:
+            continue
+        original = getattr(obj, attr)
+        originals[name] = (original, attr in vars(obj))  # an instance attribute already?
+
+        def timed(*a, _f=original, _name=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **kw)
+            finally:
+                spent[_name] += time.perf_counter() - t
+
+        setattr(obj, attr, timed)  # an instance attribute shadows the method
+    try:
+        total = sum(timed_steps(llm, n))
+    finally:
+        for name, (original, own) in originals.items():
+            obj, attr = targets[name]
+            if own:
+                setattr(obj, attr, original)
+            else:
+                delattr(obj, attr)
+    result = {name: 1e3 * t / n for name, t in spent.items()}
+    result["other"] = 1e3 * total / n - sum(result.values())
+    return result
+
+
 def kernel_table(llm: LLM, n: int) -> tuple[list[dict[str, Any]], str]:
     """GPU time per kernel name and step, from `n` profiled steps."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -122,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = build(args)
     start_decoding(llm, args)
     step_ms = statistics.median(timed_steps(llm, args.steps)) * 1e3
+    phases = host_phases(llm, args.steps)
     llm.engine.runner.graphs = None  # the runner replays graphs only when it has them
     eager_ms = statistics.median(timed_steps(llm, args.steps)) * 1e3
     table, cpu_text = kernel_table(llm, args.steps)
@@ -130,13 +182,20 @@ def main(argv: list[str] | None = None) -> None:
     for r in table[: args.rows]:
         print(f"{r['name'][:80]:<80} {r['calls_per_step']:6.0f} {r['gpu_ms_per_step']:8.3f}")
     kernel_ms = sum(r["gpu_ms_per_step"] for r in table)
+    print("host phases, ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     print(
         f"{args.sparse_method} b{args.batch_size} x {args.prompt_len}: step {step_ms:.2f} ms "
         f"({'eager' if args.enforce_eager else 'graphs'}), eager {eager_ms:.2f} ms, "
         f"kernels {kernel_ms:.2f} ms of GPU time per step"
     )
     if args.json:
-        result = dict(args=vars(args), step_ms=step_ms, eager_step_ms=eager_ms, kernel_ms=kernel_ms)
+        result = dict(
+            args=vars(args),
+            step_ms=step_ms,
+            eager_step_ms=eager_ms,
+            kernel_ms=kernel_ms,
+            host_phases_ms=phases,
+        )
         with open(args.json, "w") as f:
             json.dump({**result, "kernels": table}, f, indent=2)
 

@@ -14,6 +14,7 @@ from sparsevllm.engine.chain_cache import ChainCache
 from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.offload_tiers import OffloadTiers, offload_stats
+from sparsevllm.engine.overlap import OverlapStepper
 from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.prune import PruneResult, prune_cache
 from sparsevllm.engine.radix_tiers import RadixTiers
@@ -21,7 +22,7 @@ from sparsevllm.engine.runner import ModelRunner
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.models.loader import load_model_source
-from sparsevllm.outputs import RequestOutput
+from sparsevllm.outputs import RequestOutput, request_output
 from sparsevllm.sampling import SamplingParams
 from sparsevllm.sparse.registry import resolve_prefill_policy
 
@@ -86,6 +87,7 @@ class LLMEngine:
         self._by_request: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.num_generated_tokens = 0
+        self._overlap = OverlapStepper(self) if self.config.async_scheduling else None
 
     def _resolve_max_model_len(self) -> int:
         limit = getattr(self.source.hf_config, "max_position_embeddings", None)
@@ -210,24 +212,44 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that advanced or finished."""
+        if self._overlap is not None:
+            return self._overlap.step()
         sched = self.scheduler.schedule()
+        touched = self._begin(sched)
+        if not sched.is_empty:
+            result = self.runner.execute(sched, self.pool, self.eos_token_ids)
+            touched += self._complete(sched, result)
+        return self._outputs(touched)
+
+    def _begin(self, sched: SchedulerOutput) -> list[Sequence]:
+        """Bookkeeping of a fresh schedule; returns the requests already to report."""
         for seq in sched.preempted:
             self.runner.release(seq.seq_id, keep_generator=True)  # recompute from scratch
         touched: list[Sequence] = list(sched.failed)
         # Aborted since the last step: reported once, without scanning every request.
         touched.extend(self._aborted)
         self._aborted.clear()
-        if not sched.is_empty:
-            now = time.perf_counter()
-            for s in sched.scheduled:
-                s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
-            result = self.runner.execute(sched, self.pool, self.eos_token_ids)
-            sampled = [s for s in sched.scheduled if s.samples]
-            for s in sched.scheduled:
-                s.seq.num_computed_tokens = s.start + s.num_new_tokens
-            for i, s in enumerate(sampled):
-                self._append_token(s.seq, result.token_ids[i], result.logprobs[i])
-                touched.append(s.seq)
+        now = time.perf_counter()
+        for s in sched.scheduled:
+            s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
+        return touched
+
+    def _complete(self, sched: SchedulerOutput, result: Any) -> list[Sequence]:
+        """Account a finished forward and its sampled tokens (rows of requests that ended
+        meanwhile, by an abort or before a step scheduled ahead, are dropped)."""
+        touched = []
+        live = [s for s in sched.scheduled if not s.seq.is_finished]
+        sampled = [(i, s) for i, s in enumerate(x for x in sched.scheduled if x.samples)]
+        for s in live:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+        for i, s in sampled:
+            if s.seq.is_finished:
+                continue
+            self._append_token(s.seq, result.token_ids[i], result.logprobs[i])
+            touched.append(s.seq)
+        return touched
+
+    def _outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
         outputs = [self._make_output(seq) for seq in touched]
         for seq in touched:
             if seq.is_finished:
@@ -250,6 +272,8 @@ class LLMEngine:
             if detok is not None:
                 detok.flush()  # release text held back for an incomplete character
             seq.metrics.finished_time = now
+            if self._overlap is not None:
+                self._overlap.before_finish(seq)
             self.scheduler.finish(seq, reason)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -288,33 +312,7 @@ class LLMEngine:
         text = self._output_text(seq)
         prev = self._emitted.get(seq.seq_id, 0)
         self._emitted[seq.seq_id] = len(text)
-        m = seq.metrics
-        decode_rate = None
-        if m.finished_time and m.first_token_time and len(seq.output_token_ids) > 1:
-            span = m.finished_time - m.first_token_time
-            decode_rate = (len(seq.output_token_ids) - 1) / span if span > 0 else None
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=text,
-            token_ids=list(seq.output_token_ids),
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            error=seq.error,
-            metrics={
-                "time_to_first_token": m.time_to_first_token,
-                "decode_tokens_per_s": decode_rate,
-                "e2e_latency": (m.finished_time - m.arrival_time) if m.finished_time else None,
-                "num_preemptions": seq.num_preemptions,
-            },
-            text_delta=text[prev:],
-            chain_id=seq.chain_id,
-            chain_status=seq.chain_status,
-        )
+        return request_output(seq, text, text[prev:])
 
     def _forget(self, seq: Sequence) -> None:
         self._by_request.pop(seq.request_id, None)
@@ -346,6 +344,11 @@ class LLMEngine:
         `prompt` (see engine/prune.py); the history stays matchable by the next turn."""
         tokens = None if prompt is None else self.encode(prompt)[1]
         return prune_cache(self, chain_id, tokens, ranges, method, keep_ratio)
+
+    def drain(self) -> None:
+        """Wait for a step launched ahead (async_scheduling) whose rows all ended."""
+        if self._overlap is not None:
+            self._overlap.drain()
 
     def persist_chains(self) -> int:
         """Write idle chains, or the radix cache's unlocked nodes, to the disk tier (if

@@ -209,6 +209,13 @@ class KVPool:
                     table.extend(slots[a:b])
         return True
 
+    def drop_last(self, seq_id: int, n: int = 1) -> None:
+        """Free the newest `n` entries of every group of `seq_id`'s view (a step scheduled
+        ahead for a sequence that finished before it: its token is not kept)."""
+        for alloc, table in zip(self._alloc, self.tables[seq_id]):
+            alloc.free(table[-n:])
+            del table[-n:]
+
     def append_per_group(self, seq_id: int, counts: list[int]) -> None:
         """Give a new view `counts[g]` slots in group g (restoring offloaded state)."""
         if seq_id in self.tables:

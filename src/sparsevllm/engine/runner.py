@@ -14,7 +14,7 @@ from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool, WindowGroup, window_group_slots
 from sparsevllm.engine.scheduler import SchedulerOutput
 from sparsevllm.engine.slot_tables import DeviceSlotTables
-from sparsevllm.layers.sampler import Sampler, SamplerOutput, make_generator
+from sparsevllm.layers.sampler import SampledTokens, Sampler, SamplerOutput, make_generator
 from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model
 from sparsevllm.sparse.base import SeqStep
@@ -222,7 +222,22 @@ class ModelRunner:
         self, sched: SchedulerOutput, pool: KVPool, eos_token_ids: set[int]
     ) -> SamplerOutput | None:
         """Run the model over the scheduled tokens and sample for finished prefills/decodes."""
-        batch, input_ids, steps = self._prepare(sched, pool)
+        sampled = self.launch(sched, pool, eos_token_ids)
+        return None if sampled is None else sampled.result()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        pool: KVPool,
+        eos_token_ids: set[int],
+        input_ids: torch.Tensor | None = None,
+    ) -> SampledTokens | None:
+        """`execute` without waiting for the sampled tokens. `input_ids` `[S]` (a device
+        tensor, e.g. the previous step's SampledTokens.device_ids) replaces the input ids
+        of a step whose tokens are not on the host yet (scheduled ahead)."""
+        batch, t_ids, steps = self._prepare(sched, pool, ids_on_device=input_ids is not None)
+        input_ids = t_ids if input_ids is None else input_ids
         if self._use_graph(batch):
             self.graphs.refresh()
             logits = self.graphs.run(batch, input_ids)[batch.logits_indices]  # [S, vocab]
@@ -235,7 +250,7 @@ class ModelRunner:
         if not sampled:
             return None
         seqs = [s.seq for s in sampled]
-        return self.sampler(
+        return self.sampler.launch(
             logits,
             [seq.params for seq in seqs],
             [(seq.prompt_token_ids, seq.output_token_ids) for seq in seqs],
@@ -278,7 +293,7 @@ class ModelRunner:
             self.graphs.capture()
 
     def _prepare(
-        self, sched: SchedulerOutput, pool: KVPool
+        self, sched: SchedulerOutput, pool: KVPool, ids_on_device: bool = False
     ) -> tuple[ForwardBatch, torch.Tensor, list[SeqStep]]:
         ids: list[int] = []
         positions: list[int] = []
@@ -292,7 +307,8 @@ class ModelRunner:
         rows = [self.tables.row(i) for i in seq_ids]
         for i, s in enumerate(sched.scheduled):
             n, seq = s.num_new_tokens, s.seq
-            ids.extend(seq.token_slice(s.start, s.start + n))
+            # Ids the caller passes on the device are not known here: placeholders.
+            ids.extend([0] * n if ids_on_device else seq.token_slice(s.start, s.start + n))
             positions.extend(range(s.start, s.start + n))
             q_starts.append(len(ids))
             if s.samples:

@@ -22,11 +22,14 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first logical position computed this step
     num_new_tokens: int
+    # Scheduled ahead (overlapped scheduling): its one input token is the one the step
+    # in flight is sampling, not on the host yet.
+    ahead: bool = False
 
     @property
     def samples(self) -> bool:
         """After this step every token of the sequence has KV, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.ahead or self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -244,6 +247,16 @@ class Scheduler:
             ScheduledSeq(seq, seq.num_computed_tokens, n) for seq, n in zip(running, counts)
         )
         return True
+
+    def schedule_ahead(self, seqs: list[Sequence]) -> SchedulerOutput | None:
+        """The decode step after the one in flight, for `seqs` (that step's rows, all
+        decoding): each continues with the token being sampled now, at position
+        num_tokens. None if their slots do not fit without reclaiming or preempting."""
+        needs = [self.slots_for_step(seq, 1) for seq in seqs]
+        if not self.pool.append_batch([seq.seq_id for seq in seqs], needs):
+            return None
+        self.stats.num_decode_tokens_computed += len(seqs)
+        return SchedulerOutput([ScheduledSeq(seq, seq.num_tokens, 1, ahead=True) for seq in seqs])
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

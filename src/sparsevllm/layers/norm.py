@@ -1,9 +1,19 @@
-"""RMSNorm variants: Llama / Qwen (weight * normalised x) and Gemma (x * (1 + weight))."""
+"""RMSNorm variants: Llama / Qwen (weight * normalised x) and Gemma (x * (1 + weight)).
+
+On CUDA both run as one fused Triton kernel (`attention/triton/norm.py`, the same
+rounding points); elsewhere as the torch ops below, which define them.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def _fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool):
+    from sparsevllm.attention.triton.norm import rms_norm  # imports Triton: CUDA only
+
+    return rms_norm(x, weight, eps, gemma)
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return _fused_rms_norm(x, self.weight, self.eps, gemma=False)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -32,6 +44,8 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return _fused_rms_norm(x, self.weight, self.eps, gemma=True)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -69,6 +69,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        if q.is_cuda:  # one fused Triton kernel, the same float32 math
+            from sparsevllm.attention.triton.rope import apply_rope
+
+            return apply_rope(positions, q, k, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

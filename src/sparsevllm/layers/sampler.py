@@ -61,6 +61,34 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return gen
 
 
+class SampledTokens:
+    """One sampler call's tokens, still on the device (`device_ids` `[S]`, which a next
+    step can read as its input ids without a host round trip); `result()` brings them
+    (and the logprobs) to the host, waiting only for the sampling itself."""
+
+    def __init__(
+        self, device_ids: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams]
+    ) -> None:
+        self.device_ids = device_ids
+        self._logits, self._params = logits, params
+        self._host: torch.Tensor | None = None
+        self._event = None
+        if device_ids.is_cuda:  # start the copy now; later work on the stream is not waited for
+            self._host = torch.empty(device_ids.shape, dtype=device_ids.dtype, pin_memory=True)
+            self._host.copy_(device_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+            ids = self._host.tolist()
+        else:
+            ids = self.device_ids.tolist()
+        logprobs = _gather_logprobs(self._logits, self._params, self.device_ids)
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+
+
 class Sampler:
     """Stateless batched sampler; see the module docstring for the pipeline."""
 
@@ -73,6 +101,20 @@ class Sampler:
         *,
         eos_token_ids: Collection[int] = frozenset(),
     ) -> SamplerOutput:
+        return self.launch(
+            logits, params, token_histories, generators, eos_token_ids=eos_token_ids
+        ).result()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        token_histories: Sequence[TokenHistory],
+        generators: Sequence[torch.Generator | None],
+        *,
+        eos_token_ids: Collection[int] = frozenset(),
+    ) -> SampledTokens:
+        """Sample on the device without waiting for the result (see SampledTokens)."""
         batch = logits.shape[0]
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -95,8 +137,13 @@ class Sampler:
             token_ids[rows] = _sample_rows(
                 logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
             )
-        logprobs = _gather_logprobs(logits, params, token_ids)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        return SampledTokens(token_ids, logits, params)
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Whether sampling a row reads its token history or reports logprobs (a step whose
+    input token is not on the host yet cannot serve it)."""
+    return _needs_penalty(p) or p.logprobs is not None
 
 
 # ---------------------------------------------------------------------- penalties

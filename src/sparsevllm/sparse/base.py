@@ -122,6 +122,9 @@ class SparseMethod:
     # compute the views itself.
     uses_decode_view: ClassVar[bool] = False
     graph_decode_views: ClassVar[bool] = False
+    # True when after_step may change a view after a decode step (eviction while
+    # decoding): the engine then never schedules a step ahead (engine/overlap.py).
+    evicts_during_decode: ClassVar[bool] = False
     score_layers: frozenset[int] | None = None  # None: every layer reports scores
 
     def __init__(

@@ -17,6 +17,7 @@ from sparsevllm.sparse.snapkv import _add_padded
 
 
 class H2O(ScoreEviction):
+    evicts_during_decode = True
     name = "h2o"
 
     def __init__(self, *args, **kwargs) -> None:

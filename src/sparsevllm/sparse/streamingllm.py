@@ -11,6 +11,7 @@ from sparsevllm.sparse.base import KVAccess, SeqStep, SparseMethod
 
 
 class StreamingLLM(SparseMethod):
+    evicts_during_decode = True
     name = "streamingllm"
 
     @property

@@ -12,6 +12,7 @@ from sparsevllm.sparse.base import SeqStep, SparseMethod
 
 
 class TOVA(SparseMethod):
+    evicts_during_decode = True
     name = "tova"
     per_layer_groups = True
 

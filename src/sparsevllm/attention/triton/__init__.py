@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from sparsevllm.attention.triton.decode import auto_num_splits, decode_attention
 from sparsevllm.attention.triton.kv_store import store_kv
+from sparsevllm.attention.triton.norm import rms_norm
 from sparsevllm.attention.triton.prefill import prefill_attention, prefill_config
+from sparsevllm.attention.triton.rope import apply_rope
 from sparsevllm.attention.triton.scores import (
     quest_page_minmax,
     quest_page_scores,
@@ -15,12 +17,14 @@ from sparsevllm.attention.triton.scores import (
 )
 
 __all__ = [
+    "apply_rope",
     "auto_num_splits",
     "decode_attention",
     "prefill_attention",
     "prefill_config",
     "quest_page_minmax",
     "quest_page_scores",
+    "rms_norm",
     "store_kv",
     "window_attention_mass",
 ]

@@ -1,0 +1,50 @@
+"""`python -m sparsevllm.bench.profile_step` end to end on a tiny model (CPU stands in for
+the GPU: the tool's CUDA checks are patched; its kernel table is then empty)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import sparsevllm.bench.model_configs as model_configs
+import sparsevllm.bench.profile_step as profile_step
+
+
+@pytest.fixture
+def as_if_cuda(monkeypatch):
+    tiny = dict(model_configs.MODEL_CONFIGS["llama3-8b"])
+    tiny.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+    monkeypatch.setitem(model_configs.MODEL_CONFIGS, "llama3-8b", tiny)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    asked = []  # only the tool's own check sees a GPU; the engine stays on CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: not asked and not asked.append(1))
+
+
+def test_profile_step_reports_phases(as_if_cuda, tmp_path, capsys):
+    out = tmp_path / "prof.json"
+    argv = ["--prompt-len", "40", "--batch-size", "3", "--steps", "2", "--json", str(out)]
+    profile_step.main([*argv, "--sparse-method", "quest", "--decode-keep-tokens", "36"])
+    report = json.loads(out.read_text())
+    assert report["args"]["batch_size"] == 3 and report["step_ms"] > 0
+    phases = report["host_phases_ms"]
+    want = {"schedule", "prepare", "graph_replay", "after_step", "sample_launch", "wait_tokens"}
+    assert set(phases) == want | {"other"}
+    assert phases["schedule"] > 0 and phases["prepare"] > 0 and phases["wait_tokens"] > 0
+    # The wrappers are gone: the engine still steps.
+    assert profile_step.SampledTokens.result.__name__ == "result"
+    assert "host phases, ms per step" in capsys.readouterr().out
+
+
+def test_profile_step_refuses_a_batch_that_does_not_fit(as_if_cuda, monkeypatch):
+    monkeypatch.setattr(profile_step, "MAX_TOKENS", 2)  # the first sequences finish early
+    with pytest.raises(SystemExit, match="decode together"):
+        profile_step.main(["--prompt-len", "40", "--batch-size", "3", "--steps", "2"])

@@ -1,0 +1,131 @@
+"""Overlapped scheduling (async_scheduling): steps scheduled ahead give the same tokens,
+finishes and cache state as the plain loop (CPU: the overlap itself is a GPU effect,
+the bookkeeping is the same)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsevllm import LLM, SamplingParams
+
+PROMPTS = [[1] + list(range(10 + 7 * i, 40 + 9 * i)) for i in range(6)]
+KNOBS = {
+    "vanilla": {},
+    "snapkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
+    "pyramidkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
+    "quest": {
+        "decode_keep_tokens": 16,
+        "recent_keep_tokens": 4,
+        "quest_chunk_size": 4,
+        "quest_skip_layers": 1,
+    },
+    "omnikv": {"decode_keep_tokens": 16, "recent_keep_tokens": 4, "full_attention_layers": (0, 2)},
+    "h2o": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "sink_keep_tokens": 2},
+    "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": 20},
+}
+OPTS_OUT = {"h2o", "streamingllm"}  # they evict while decoding: never scheduled ahead
+
+
+def engine(model: str, method: str, overlap: bool, max_num_seqs: int = 8, **kw) -> LLM:
+    return LLM(
+        model,
+        dtype="float32",
+        sparse_method=method,
+        max_num_seqs=max_num_seqs,
+        chunk_prefill_size=16,
+        async_scheduling=overlap,
+        **KNOBS[method],
+        **kw,
+    )
+
+
+def stopping_params(model: str, method: str, **kw) -> list[SamplingParams]:
+    """Per request: varied max_tokens, and for half of them a stop token that the greedy
+    output really produces mid-way (found with a plain run): requests finish at
+    different steps, by length and by a stop token sampled in a step scheduled ahead."""
+    base = [SamplingParams(temperature=0.0, max_tokens=14 + 2 * i) for i in range(6)]
+    outs = engine(model, method, False, **kw).generate(PROMPTS, base, use_tqdm=False)
+    params = []
+    for i, (p, o) in enumerate(zip(base, outs)):
+        stop = None
+        fresh = [j for j in range(5, len(o.token_ids)) if o.token_ids[j] not in o.token_ids[:j]]
+        if i % 2 == 0 and fresh:  # a token's first occurrence: it stops exactly there
+            stop = [o.token_ids[fresh[i % len(fresh)]]]
+        params.append(SamplingParams(temperature=0.0, max_tokens=p.max_tokens, stop_token_ids=stop))
+    return params
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 4], ids=["all-running", "admissions"])
+@pytest.mark.parametrize("method", sorted(KNOBS))
+def test_same_outputs_as_without_overlap(tiny_model_factory, method, max_num_seqs):
+    model = tiny_model_factory("llama4")
+    params = stopping_params(model, method, max_num_seqs=max_num_seqs)
+    plain_llm = engine(model, method, False, max_num_seqs)
+    plain = plain_llm.generate(PROMPTS, params, use_tqdm=False)
+    llm = engine(model, method, True, max_num_seqs)
+    ahead = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(ahead, plain):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+    assert any(o.finish_reason == "stop" for o in plain)
+    overlap = llm.engine._overlap
+    if method in OPTS_OUT:
+        assert overlap.num_steps_ahead == 0
+    else:
+        assert overlap.num_steps_ahead > 5
+        if max_num_seqs == 8:  # stop tokens sampled while the next step was in flight
+            assert overlap.num_dropped > 0
+    # Finished requests left the same cached state (radix nodes or parked chains).
+    assert llm.engine.pool.num_used == plain_llm.engine.pool.num_used
+    assert not llm.engine.scheduler.running and overlap.ahead is None
+
+
+@pytest.mark.parametrize("method", ["vanilla", "snapkv"])  # radix cache; chain cache
+def test_next_turn_reuses_the_same_cached_state(tiny_model_factory, method):
+    model = tiny_model_factory("llama4")
+    params = stopping_params(model, method)
+    turns = []
+    for overlap in (False, True):
+        llm = engine(model, method, overlap)
+        first = llm.generate(PROMPTS, params, use_tqdm=False)
+        follow = [list(p) + o.token_ids + [7, 8, 9] for p, o in zip(PROMPTS, first)]
+        second = llm.generate(follow, SamplingParams(temperature=0.0, max_tokens=6), False)
+        used = llm.engine.pool.num_used
+        turns.append(
+            ([o.token_ids for o in first + second], [o.num_cached_tokens for o in second], used)
+        )
+    assert turns[0] == turns[1]
+    assert sum(turns[0][1]) > 0  # the second turn did reuse cached state
+
+
+def test_abort_while_a_step_is_scheduled_ahead(tiny_model_factory):
+    model = tiny_model_factory("llama4")
+    results = []
+    for overlap in (False, True):
+        llm = engine(model, "vanilla", overlap, enable_prefix_caching=False)
+        e = llm.engine
+        ids = [
+            e.add_request(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in PROMPTS[:3]
+        ]
+        tokens: dict[str, list[int]] = {}
+        for k in range(40):
+            if k == 6:
+                assert e.abort_request(ids[1])
+            for out in e.step():
+                tokens[out.request_id] = out.token_ids
+            if not e.has_unfinished_requests():
+                break
+        e.drain()
+        assert e.pool.num_used == 0  # every slot came back, the aborted one's too
+        results.append([tokens[i] for i in ids])
+    assert results[0] == results[1]
+    assert len(results[0][1]) < 12  # aborted mid-way
+
+
+def test_sampling_with_history_is_not_scheduled_ahead(tiny_model_factory):
+    model = tiny_model_factory("llama4")
+    llm = engine(model, "vanilla", True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3, logprobs=2)
+    plain = engine(model, "vanilla", False).generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.engine._overlap.num_steps_ahead == 0
