@@ -23,6 +23,17 @@ TINY = dict(
 )
 
 
+# Llama 3 frequency scaling, with an original context short enough to matter in tests.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
 def _make(kind: str, path: Path) -> str:
     from transformers import (
         LlamaConfig,
@@ -38,15 +49,7 @@ def _make(kind: str, path: Path) -> str:
         cfg = LlamaConfig(**{**TINY, "num_hidden_layers": 4}, tie_word_embeddings=True)
         model = LlamaForCausalLM(cfg)
     elif kind == "llama":
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
-        cfg = LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=False)
+        cfg = LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False)
         model = LlamaForCausalLM(cfg)
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))

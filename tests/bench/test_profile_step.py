@@ -10,19 +10,14 @@ import torch
 
 import sparsevllm.bench.model_configs as model_configs
 import sparsevllm.bench.profile_step as profile_step
+from conftest import TINY
 
 
 @pytest.fixture
 def as_if_cuda(monkeypatch):
     tiny = dict(model_configs.MODEL_CONFIGS["llama3-8b"])
-    tiny.update(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-    )
+    shapes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    tiny.update({k: TINY[k] for k in (*shapes, "num_key_value_heads", "vocab_size")})
     monkeypatch.setitem(model_configs.MODEL_CONFIGS, "llama3-8b", tiny)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     asked = []  # only the tool's own check sees a GPU; the engine stays on CPU

@@ -11,18 +11,11 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs a CUDA GPU, or TRITON_INTERPRET=1", allow_module_level=True)
 
+from conftest import LLAMA3_ROPE as LLAMA3  # noqa: E402
 from sparsevllm.attention.triton import apply_rope  # noqa: E402
 from sparsevllm.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-LLAMA3 = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
