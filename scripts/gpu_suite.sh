@@ -2,7 +2,7 @@
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | prefill32k | profile | kvpress | sweep |
-#          gguf-part | quality
+#          gguf-part | quality | quality-rerun
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -40,6 +40,24 @@ for part in "$@"; do
          --max-num-seqs 64 --enforce-eager --no-progress \
          --json "$OUT/quality_gemma3_270m_4k.json" --plot "$OUT/quality_gemma3_270m_4k.png" \
          | tail -40 ;;
+    quality-rerun)
+      # Issue 7: re-measure Quest and OmniKV (their first GPU rows read dense in steps that
+      # mixed prefill chunks): drop their records, resume the same grid (the rest is kept).
+      cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf
+      python - <<'PY'
+import json, os
+src = "docs/quality/quality_gemma3_270m_4k.jsonl"
+dst = os.environ["OUT"] + "/quality_gemma3_270m_4k.jsonl"
+keep = [l for l in open(src) if json.loads(l)["method"] not in ("quest", "omnikv")]
+open(dst, "w").writelines(keep)
+print(f"kept {len(keep)} records")
+PY
+      PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
+         --model /tmp/g/gemma-3-270m-q4_k_m.gguf --lengths 4096 --samples 20 \
+         --tasks niah_single,niah_multikey,variable_tracking --ratios 0.5,0.75,0.9 \
+         --max-num-seqs 64 --enforce-eager --no-progress \
+         --json "$OUT/quality_gemma3_270m_4k.json" --plot "$OUT/quality_gemma3_270m_4k.png" \
+         | tail -30 ;;
     kvpress)
       # Issue 4: snapkv vs kvpress's SnapKVPress at 32K (carry .kvpress_whl: kvpress 0.5.5,
       # transformers 5.2.0, tokenizers 0.22.2; kvpress needs transformers < 5.3).
@@ -100,6 +118,7 @@ for part in "$@"; do
          --json "$OUT/vanilla_32k_maxbatch.json" | tail -3
       $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --max-batch \
          --sparse-method snapkv --decode-keep-tokens 2048 --max-num-seqs ${SNAP_SEQS:-128} \
+         ${SNAP_FLAGS:-} \
          --json "$OUT/snapkv_32k_maxbatch.json" | tail -3 ;;
   esac
 done

@@ -48,8 +48,8 @@ def stopping_params(model: str, method: str, **kw) -> list[SamplingParams]:
     params = []
     for i, (p, o) in enumerate(zip(base, outs)):
         stop = None
-        fresh = [j for j in range(5, len(o.token_ids)) if o.token_ids[j] not in o.token_ids[:j]]
-        if i % 2 == 0 and fresh:  # a token's first occurrence: it stops exactly there
+        fresh = [j for j in range(8, len(o.token_ids)) if o.token_ids[j] not in o.token_ids[:j]]
+        if fresh and i % 2 == 0:  # a token's first occurrence: the request stops there
             stop = [o.token_ids[fresh[i % len(fresh)]]]
         params.append(SamplingParams(temperature=0.0, max_tokens=p.max_tokens, stop_token_ids=stop))
     return params
@@ -119,6 +119,26 @@ def test_abort_while_a_step_is_scheduled_ahead(tiny_model_factory):
         results.append([tokens[i] for i in ids])
     assert results[0] == results[1]
     assert len(results[0][1]) < 12  # aborted mid-way
+
+
+def test_min_tokens_boundary(tiny_model_factory):
+    """A stop token allowed from exactly min_tokens on: the step that samples it must see
+    the full history (no step scheduled ahead for it), so it stops where it should."""
+    model = tiny_model_factory("llama4")
+    base = SamplingParams(temperature=0.0, max_tokens=20)
+    first = engine(model, "vanilla", False).generate(PROMPTS, base, use_tqdm=False)[0].token_ids
+    m = next(j for j in range(6, 20) if first[j] not in first[:j])
+    params = [base] * len(PROMPTS)
+    params[0] = SamplingParams(
+        temperature=0.0, max_tokens=20, min_tokens=m, stop_token_ids=[first[m]]
+    )
+    outs = []
+    for overlap in (False, True):
+        llm = engine(model, "vanilla", overlap)
+        outs.append([o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
+    assert outs[1][0] == first[: m + 1]  # stopped at the first token min_tokens allows
+    assert llm.engine._overlap.num_steps_ahead > 5
 
 
 def test_sampling_with_history_is_not_scheduled_ahead(tiny_model_factory):

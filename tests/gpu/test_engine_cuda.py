@@ -56,15 +56,17 @@ def test_cuda_matches_cpu_reference(model, method, eager):
     assert (gpu_llm.engine.runner.graphs is None) == eager
 
 
-def test_quest_views_inside_decode_graphs(model, monkeypatch):
-    """Quest's decode steps replay CUDA graphs (its views computed inside them) and give
-    the tokens of the eager CUDA path, pages completing mid-decode."""
+@pytest.mark.parametrize("method", ["quest", "omnikv"])
+def test_decode_views_inside_decode_graphs(model, method, monkeypatch):
+    """Quest's and OmniKV's decode steps replay CUDA graphs (their views computed inside
+    them, OmniKV from its full layers' probabilities) and give the tokens of the eager
+    CUDA path, Quest's pages completing mid-decode."""
     from sparsevllm.engine.cuda_graph import DecodeGraphs
 
     kwargs = dict(
-        sparse_method="quest", dtype="float32", chunk_prefill_size=16, kv_cache_memory_gb=1
+        sparse_method=method, dtype="float32", chunk_prefill_size=16, kv_cache_memory_gb=1
     )
-    kwargs.update(CASES["quest"])
+    kwargs.update(CASES[method])
     eager = LLM(model, device="cuda", enforce_eager=True, **kwargs)
     want = [o.token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
     replays: list[int] = []

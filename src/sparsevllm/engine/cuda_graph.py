@@ -13,6 +13,7 @@ import logging
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch
+from sparsevllm.sparse.base import SeqStep
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class DecodeGraphs:
         self.rows = torch.zeros(b, dtype=torch.int32, device=dev)
         self.view_lens = torch.ones((groups, b), dtype=torch.int32, device=dev)
         self.decode = torch.ones(b, dtype=torch.bool, device=dev)  # replays are decode-only
+        self.score_rows = torch.zeros(b, dtype=torch.int32, device=dev)
         # The last table row is the padding row: its first entry points at slot 0.
         self.pad_row = runner.tables.table.shape[1] - 1
         runner.tables.reserve_row(self.pad_row)
@@ -51,6 +53,11 @@ class DecodeGraphs:
         r = self.runner
         groups = r.pool.num_groups
         method = r.method
+        in_graph = method.graph_decode_views
+        # Decode rows' score requests (OmniKV's full layers): asked for every row, the
+        # device copy says which rows really want them.
+        want = method.score_rows(SeqStep(-1, 0, 1, 1, 1)) if in_graph else 0
+        width = r.tables.table.shape[2]
         return ForwardBatch(
             positions=self.positions[:size],
             q_starts=list(range(size)),
@@ -58,7 +65,9 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:, :size],
             tables=r.tables.table,
             rows=[self.pad_row] * size,
-            view_lens=[[1] * size for _ in range(groups)],
+            # Host view lengths only size buffers here (e.g. decode probabilities): a
+            # graph serves any view, so the full table width.
+            view_lens=[[width] * size for _ in range(groups)],
             group_of_layer=r.pool.group_of_layer,
             logits_indices=torch.arange(size, device=r.device),
             backend=r.backend,
@@ -66,8 +75,11 @@ class DecodeGraphs:
             view_lens_t=self.view_lens[:, :size],
             q_starts_t=torch.arange(size + 1, dtype=torch.int32, device=r.device),
             decode_t=self.decode[:size],
+            score_rows_t=self.score_rows[:size],
+            score_rows=[want] * size,
+            score_layers=method.score_layers,
             # Methods whose decode views are graph-safe compute them inside the graph.
-            select_views=method.select_views if method.graph_decode_views else None,
+            select_views=method.select_views if in_graph else None,
             kv=r.kv,
         )
 
@@ -116,6 +128,8 @@ class DecodeGraphs:
         self.view_lens[:, :s].copy_(batch.view_lens_t)
         if batch.decode_t is not None:  # a prompt's 1-token last chunk is not a decode row
             self.decode[:s].copy_(batch.decode_t)
+        if batch.score_rows_t is not None:
+            self.score_rows[:s].copy_(batch.score_rows_t)
         if size > s:
             self.ids[s:size].zero_()
             self.positions[s:size].zero_()
@@ -123,6 +137,7 @@ class DecodeGraphs:
             self.rows[s:size].fill_(self.pad_row)
             self.view_lens[:, s:size].fill_(1)
             self.decode[s:size].fill_(True)
+            self.score_rows[s:size].zero_()
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:s]

@@ -9,9 +9,10 @@ N's sampled tokens (still on the device) as its input ids, and launched right be
 on the same stream; only then does the host wait for step N's tokens and account them,
 while the GPU already runs step N+1.
 
-A step is scheduled ahead only in the steady state, where it is exactly the step the
-scheduler would choose: every row of step N decodes one token and samples, no request
-waits for admission, none of them can finish by length at step N, their slots fit
+A step is scheduled ahead only in the steady state, where it is the step the scheduler
+would choose: every row of step N decodes one token and samples, no waiting request
+could be admitted (none waits, or the batch is full: one admitted when a row finishes
+then starts a step later), none of them can finish by length at step N, their slots fit
 without reclaiming or preempting, their sampling needs no token history (no penalties,
 no logprobs, min_tokens already met) and the sparse method never changes a view after a
 decode step (methods that evict while decoding, and sliding-window layers, opt out).
@@ -110,8 +111,12 @@ class OverlapStepper:
     def _steady_rows(self, current: _InFlight) -> list[Sequence] | None:
         e = self.engine
         rows = current.sched.scheduled
-        if current.sampled is None or e.scheduler.waiting or e._aborted:
+        sch = e.scheduler
+        if current.sampled is None or e._aborted:
             return None
+        if sch.waiting and len(sch.running) < sch.max_num_seqs:
+            return None  # a request may be admitted at the next step: schedule it then
+
         if e.pool.windows or e.runner.method.evicts_during_decode:
             return None
         seqs = [s.seq for s in rows]
@@ -121,8 +126,10 @@ class OverlapStepper:
             seq, p = s.seq, s.seq.params
             if s.num_new_tokens != 1 or not s.samples or seq.is_finished or needs_history(p):
                 return None
-            n_out = len(seq.output_token_ids) + 1  # with the token step N is sampling
-            if n_out < p.min_tokens or n_out >= p.max_tokens:
+            # Step N+1 samples with the history known now (step N's token missing), so
+            # min_tokens must be met already; and step N must not end it by length.
+            n_out = len(seq.output_token_ids)
+            if n_out < p.min_tokens or n_out + 1 >= p.max_tokens:
                 return None
             if seq.num_tokens + 1 >= e.max_model_len:
                 return None

@@ -278,7 +278,8 @@ class ModelRunner:
             self.graphs is not None
             and batch.decode_only
             and self.graphs.fits(batch.num_seqs)
-            and not any(batch.score_rows)
+            # Graph-safe decode views: their score requests are served inside the graph.
+            and (not any(batch.score_rows) or self.method.graph_decode_views)
             and (not self.method.uses_decode_view or self.method.graph_decode_views)
         )
 

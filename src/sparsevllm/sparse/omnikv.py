@@ -19,10 +19,11 @@ from sparsevllm.sparse.base import SeqStep, SparseMethod
 
 class OmniKV(SparseMethod):
     name = "omnikv"
-    # Still eager: the picks read the full layers' decode scores, a buffer as wide as the
-    # step's longest view (a graph would need it max_model_len wide), and steps that
-    # request scores are never replayed from a graph.
+    # The picks read the full layers' decode probabilities inside the decode graph too
+    # (there the buffer spans the table width); each is dropped once its picks exist, so
+    # one full layer's buffer is alive at a time. after_step reads no scores.
     uses_decode_view = True
+    graph_decode_views = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -66,6 +67,9 @@ class OmniKV(SparseMethod):
                 batch.score_rows_t,
                 self.config.decode_keep_tokens,
             )
+            # The picks are all that is needed of them: free the probabilities now.
+            batch.step_scores.pop(source, None)
+            batch.scores.pop(source, None)
         positions, lens = batch.method_cache[key]  # [S, B], [S]
         # Every KV head reads the same tokens: a stride-0 head axis, no copy.
         return positions.unsqueeze(1).expand(-1, self.num_kv_heads, -1), lens
