@@ -55,3 +55,28 @@ def test_mixed_batches_apply_decode_views(tiny_model_factory, method, monkeypatc
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert mixed_rows and max(mixed_rows) >= 1  # decoding rows met prefill chunks
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_prefill_window_scores_through_the_slot_table(tiny_model_factory, monkeypatch):
+    """SnapKV's observation-window scores on the Triton backend (per KV head, through the
+    slot table) compress to the same views as the reference backend: same tokens."""
+    model = tiny_model_factory("llama4")
+    kwargs = dict(
+        sparse_method="snapkv",
+        dtype="float32",
+        chunk_prefill_size=8,
+        decode_keep_tokens=24,
+        recent_keep_tokens=4,
+        sink_keep_tokens=2,
+        snapkv_window_size=6,
+        snapkv_pool_kernel_size=1,  # no max-pool plateaus: no exact ties in the top-k
+        enforce_eager=True,
+    )
+    ref = LLM(model, device="cpu", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(runner_module, "default_backend_name", lambda device: "triton")
+    llm = LLM(model, device=DEVICE, **kwargs)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    # The parked chains hold compressed views: fewer slots than prompt + output tokens.
+    full = sum(len(p) + GREEDY.max_tokens for p in PROMPTS)
+    assert 0 < max(llm.engine.pool.used_per_layer()) < full - 40

@@ -5,9 +5,9 @@ batches with prefill chunks use the varlen prefill kernel. Sparse-method request
 are served here too: decode scores come from the decode kernel's probability output,
 logical views come batched from the method as a per-KV-head index subset (also for the
 decoding rows of a batch with prefill chunks); prefill observation scores (once per
-prefill) use the reference computation on the gathered view. Sliding-window
-layers pass their window to both kernels; sparse methods leave them alone (no logical
-views, no scores).
+prefill) are computed per KV head through the slot table (`window_attention_mass`).
+Sliding-window layers pass their window to both kernels; sparse methods leave them
+alone (no logical views, no scores).
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
-from sparsevllm.attention.torch_ref import attention_mass
-from sparsevllm.attention.triton import decode_attention, prefill_attention, store_kv
+from sparsevllm.attention.triton import (
+    decode_attention,
+    prefill_attention,
+    store_kv,
+    window_attention_mass,
+)
 
 
 class TritonBackend(AttentionBackend):
@@ -59,9 +63,14 @@ class TritonBackend(AttentionBackend):
             rows = batch.wants_scores(layer, i)
             if rows:
                 start, n = batch.q_starts[i], batch.q_lens[i]
-                view = batch.view(group, i)
                 q_i = q[start : start + n][-rows:]
-                batch.put_scores(layer, i, attention_mass(q_i, k_cache[view], scale))
+                # Through the slot table, one KV head at a time: no gathered fp32 copy of
+                # the view's keys for every query head (512 MiB at 32K tokens).
+                view_slots = table[batch.rows[i]]
+                mass = window_attention_mass(
+                    q_i, k_cache, view_slots, batch.view_lens[group][i], scale
+                )
+                batch.put_scores(layer, i, mass)
         return out
 
     def _decode(
