@@ -27,6 +27,7 @@ def as_if_cuda(monkeypatch):
 def test_profile_step_reports_phases(as_if_cuda, tmp_path, capsys):
     out = tmp_path / "prof.json"
     argv = ["--prompt-len", "40", "--batch-size", "3", "--steps", "2", "--json", str(out)]
+    argv += ["--prefill-steps", "1"]
     profile_step.main([*argv, "--sparse-method", "quest", "--decode-keep-tokens", "36"])
     report = json.loads(out.read_text())
     assert report["args"]["batch_size"] == 3 and report["step_ms"] > 0
@@ -36,6 +37,7 @@ def test_profile_step_reports_phases(as_if_cuda, tmp_path, capsys):
     assert phases["schedule"] > 0 and phases["prepare"] > 0 and phases["wait_tokens"] > 0
     # The wrappers are gone: the engine still steps.
     assert profile_step.SampledTokens.result.__name__ == "result"
+    assert report["prefill"]["steps"] == 1 and report["prefill"]["host_phases_ms"]["prepare"] > 0
     assert "host phases, ms per step" in capsys.readouterr().out
 
 

@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="launch the next decode step before the current one's tokens reach the host",
     )
     p.add_argument("--rows", type=int, default=25, help="kernels shown in the table")
+    p.add_argument(
+        "--prefill-steps",
+        type=int,
+        default=0,
+        help="also profile 2 x this many prefill steps (host phases, then kernels)",
+    )
     p.add_argument("--json", help="write the step times and the kernel table here")
     return p.parse_args(argv)
 
@@ -70,14 +76,27 @@ def build(args: argparse.Namespace) -> LLM:
     return LLM(write_model_config(args.model_config), **kwargs)
 
 
-def start_decoding(llm: LLM, args: argparse.Namespace) -> None:
-    """Add the batch and step until every sequence has its first token."""
+def start_decoding(llm: LLM, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Add the batch and step until every sequence has its first token; with
+    `--prefill-steps K`, the first K steps are timed by host phase and the next K
+    profiled by kernel (returned)."""
     engine = llm.engine
     vocab = engine.source.hf_config.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for _ in range(args.batch_size):
         engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
+    prefill = None
+    if args.prefill_steps:
+        k = args.prefill_steps
+        phases = host_phases(llm, k)
+        table, _ = kernel_table(llm, k)
+        kernel_ms = sum(r["gpu_ms_per_step"] for r in table)
+        prefill = dict(steps=k, host_phases_ms=phases, kernel_ms=kernel_ms, kernels=table)
+        print("prefill host phases, ms per step: " + _fmt(phases))
+        print(f"prefill kernels {kernel_ms:.2f} ms of GPU time per step; top:")
+        for r in table[: args.rows]:
+            print(f"  {r['name'][:76]:<76} {r['gpu_ms_per_step']:8.3f}")
     running = engine.scheduler.running
     while engine.scheduler.waiting or any(not s.output_token_ids for s in running):
         engine.step()
@@ -88,6 +107,11 @@ def start_decoding(llm: LLM, args: argparse.Namespace) -> None:
             f"only {len(running)} of {args.batch_size} sequences decode together (KV pool too "
             "small, or preempted): lower --batch-size or --prompt-len"
         )
+    return prefill
+
+
+def _fmt(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
 
 
 def timed_steps(llm: LLM, n: int) -> list[float]:
@@ -171,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_step needs a CUDA GPU")
     llm = build(args)
-    start_decoding(llm, args)
+    prefill = start_decoding(llm, args)
     step_ms = statistics.median(timed_steps(llm, args.steps)) * 1e3
     phases = host_phases(llm, args.steps)
     llm.engine.runner.graphs = None  # the runner replays graphs only when it has them
@@ -182,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in table[: args.rows]:
         print(f"{r['name'][:80]:<80} {r['calls_per_step']:6.0f} {r['gpu_ms_per_step']:8.3f}")
     kernel_ms = sum(r["gpu_ms_per_step"] for r in table)
-    print("host phases, ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    print("host phases, ms per step: " + _fmt(phases))
     print(
         f"{args.sparse_method} b{args.batch_size} x {args.prompt_len}: step {step_ms:.2f} ms "
         f"({'eager' if args.enforce_eager else 'graphs'}), eager {eager_ms:.2f} ms, "
@@ -195,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             eager_step_ms=eager_ms,
             kernel_ms=kernel_ms,
             host_phases_ms=phases,
+            prefill=prefill,
         )
         with open(args.json, "w") as f:
             json.dump({**result, "kernels": table}, f, indent=2)
