@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from sparsevllm.engine.scheduler import SchedulerOutput
 from sparsevllm.engine.sequence import Sequence
-from sparsevllm.layers.sampler import SampledTokens, needs_history
+from sparsevllm.layers.sampler import SampledTokens, SamplerOutput, needs_history
 from sparsevllm.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -41,11 +41,13 @@ class _InFlight:
         self.sched = sched
         self.sampled = sampled
 
-    def result(self):  # SamplerOutput | None
+    def result(self) -> SamplerOutput | None:
         return None if self.sampled is None else self.sampled.result()
 
 
 class OverlapStepper:
+    """LLMEngine.step for async_scheduling: holds at most one step launched ahead."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.ahead: _InFlight | None = None  # the step launched ahead, not accounted yet
