@@ -149,3 +149,23 @@ def test_sampling_with_history_is_not_scheduled_ahead(tiny_model_factory):
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert llm.engine._overlap.num_steps_ahead == 0
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "chain"])
+def test_sliding_window_layers(tmp_path, caching):
+    """Gemma 3's window groups are trimmed after every step, the steps scheduled ahead
+    too; with the chain cache (which parks a window) nothing is scheduled ahead."""
+    from tiny_gemma3 import save_tiny_gemma3
+
+    model = save_tiny_gemma3(tmp_path / "gemma3")
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    kw = dict(dtype="float32", sparse_method="snapkv", decode_keep_tokens=24)
+    kw.update(recent_keep_tokens=4, chunk_prefill_size=16, enable_prefix_caching=caching)
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(model, async_scheduling=overlap, **kw)
+        runs.append([o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        assert llm.engine.pool.windows  # the model has window groups here
+    assert runs[0] == runs[1]
+    ahead = llm.engine._overlap.num_steps_ahead
+    assert ahead == 0 if caching else ahead > 5

@@ -15,7 +15,8 @@ could be admitted (none waits, or the batch is full: one admitted when a row fin
 then starts a step later), none of them can finish by length at step N, their slots fit
 without reclaiming or preempting, their sampling needs no token history (no penalties,
 no logprobs, min_tokens already met) and the sparse method never changes a view after a
-decode step (methods that evict while decoding, and sliding-window layers, opt out).
+decode step (methods that evict while decoding opt out, and so do sliding-window layers
+when the chain cache parks their window).
 A sequence that finishes at step N (a stop token, an abort) has its step-N+1 slot freed
 before it is cached or released, and its step-N+1 token is dropped. Otherwise step N+1
 is computed exactly as without overlap: the outputs are the same tokens.
@@ -119,8 +120,10 @@ class OverlapStepper:
         if sch.waiting and len(sch.running) < sch.max_num_seqs:
             return None  # a request may be admitted at the next step: schedule it then
 
-        if e.pool.windows or e.runner.method.evicts_during_decode:
+        if e.runner.method.evicts_during_decode:
             return None
+        if e.pool.windows and sch.chain_cache is not None:
+            return None  # a parked chain's window would lack the entry step N+1 trimmed
         seqs = [s.seq for s in rows]
         if len(seqs) != len(e.scheduler.running) or len({s.seq_id for s in seqs}) != len(seqs):
             return None
