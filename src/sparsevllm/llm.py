@@ -143,7 +143,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while any(r is None for r in results):
-                for out in self.engine.step():
+                for out in self.engine.step(partial_outputs=False):
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)

@@ -166,3 +166,25 @@ def test_stats_keys(llm):
     ):
         assert key in stats
     assert stats["kv_slots_total"] == 2048 and stats["kv_slots_used"] == stats["kv_slots_cached"]
+
+
+def test_engine_step_without_partial_outputs(llm):
+    """Offline callers ask only for finished requests: the same final outputs (a stop
+    string too), and no output for a request still running."""
+    engine = llm.engine
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3),
+        SamplingParams(temperature=0.0, max_tokens=12, stop=[" the"]),
+    ]
+    prompts = ["Once upon a time", "The capital of France is"]
+    finals = {}
+    for partial in (True, False):
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        outs = []
+        while engine.has_unfinished_requests():
+            step = engine.step(partial_outputs=partial)
+            assert partial or all(o.finished for o in step)
+            outs += [o for o in step if o.finished]
+        finals[partial] = [(o.text, o.token_ids, o.finish_reason) for o in outs]
+        assert sorted(o.request_id for o in outs) == sorted(ids)
+    assert finals[True] == finals[False]

@@ -75,7 +75,7 @@ def _drain(engine, device: torch.device) -> tuple[list, float, list[float], list
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         before = engine.scheduler.stats.num_prefill_tokens_computed
-        outputs += [o for o in engine.step() if o.finished]
+        outputs += [o for o in engine.step(partial_outputs=False) if o.finished]
         _sync(device)
         if engine.scheduler.stats.num_prefill_tokens_computed == before:
             decode_times.append(time.perf_counter() - t0)

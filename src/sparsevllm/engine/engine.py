@@ -210,16 +210,18 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that advanced or finished."""
+    def step(self, partial_outputs: bool = True) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that advanced or finished
+        (finished ones only with `partial_outputs=False`: an offline caller that waits for
+        complete requests then does not copy every running request's tokens each step)."""
         if self._overlap is not None:
-            return self._overlap.step()
+            return self._overlap.step(partial_outputs)
         sched = self.scheduler.schedule()
         touched = self._begin(sched)
         if not sched.is_empty:
             result = self.runner.execute(sched, self.pool, self.eos_token_ids)
             touched += self._complete(sched, result)
-        return self._outputs(touched)
+        return self._outputs(touched, partial_outputs)
 
     def _begin(self, sched: SchedulerOutput) -> list[Sequence]:
         """Bookkeeping of a fresh schedule; returns the requests already to report."""
@@ -249,8 +251,8 @@ class LLMEngine:
             touched.append(s.seq)
         return touched
 
-    def _outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
-        outputs = [self._make_output(seq) for seq in touched]
+    def _outputs(self, touched: list[Sequence], partial: bool = True) -> list[RequestOutput]:
+        outputs = [self._make_output(seq) for seq in touched if partial or seq.is_finished]
         for seq in touched:
             if seq.is_finished:
                 self._forget(seq)

@@ -56,7 +56,7 @@ class OverlapStepper:
         self.num_steps_ahead = 0  # steps that were scheduled ahead (for tests and stats)
         self.num_dropped = 0  # rows of such steps whose sequence finished before them
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, partial_outputs: bool = True) -> list[RequestOutput]:
         e = self.engine
         # The step launched ahead during the last call (its rows are ordinary now).
         current, self.ahead, self._ahead_ids = self.ahead, None, set()
@@ -64,7 +64,7 @@ class OverlapStepper:
             sched = e.scheduler.schedule()
             touched = e._begin(sched)
             if sched.is_empty:
-                return e._outputs(touched)
+                return e._outputs(touched, partial_outputs)
             current = self._launch(sched)
         else:
             touched = e._begin(SchedulerOutput())  # aborts since the last step
@@ -74,7 +74,7 @@ class OverlapStepper:
             not s.seq.is_finished for s in self.ahead.sched.scheduled
         ):
             self.drain()  # every row ended: nothing of that step is used
-        return e._outputs(touched)
+        return e._outputs(touched, partial_outputs)
 
     def before_finish(self, seq: Sequence) -> None:
         """`seq` finishes while a step scheduled ahead holds a slot for its next token:
