@@ -6,9 +6,20 @@
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
+export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 M="python -m sparsevllm.cli bench throughput --model-config llama3-8b"
+quality_grid() {
+  # Issue 7's grid: Gemma-3-270M at 4K, every method at ratios 0.5/0.75/0.9; resumes
+  # from the records already in $OUT.
+  cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf && md5sum /tmp/g/*.gguf
+  PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
+     --model /tmp/g/gemma-3-270m-q4_k_m.gguf --lengths 4096 --samples 20 \
+     --tasks niah_single,niah_multikey,variable_tracking --ratios 0.5,0.75,0.9 \
+     --max-num-seqs 64 --enforce-eager --no-progress \
+     --json "$OUT/quality_gemma3_270m_4k.json" --plot "$OUT/quality_gemma3_270m_4k.png" \
+     | tail -40
+}
 for part in "$@"; do
   case $part in
     tests)
@@ -32,18 +43,10 @@ for part in "$@"; do
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
       fi ;;
     quality)
-      # Issue 7: Gemma-3-270M at 4K, every method at ratios 0.5/0.75/0.9.
-      cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf && md5sum /tmp/g/*.gguf
-      PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
-         --model /tmp/g/gemma-3-270m-q4_k_m.gguf --lengths 4096 --samples 20 \
-         --tasks niah_single,niah_multikey,variable_tracking --ratios 0.5,0.75,0.9 \
-         --max-num-seqs 64 --enforce-eager --no-progress \
-         --json "$OUT/quality_gemma3_270m_4k.json" --plot "$OUT/quality_gemma3_270m_4k.png" \
-         | tail -40 ;;
+      quality_grid ;;
     quality-rerun)
       # Issue 7: re-measure Quest and OmniKV (their first GPU rows read dense in steps that
       # mixed prefill chunks): drop their records, resume the same grid (the rest is kept).
-      cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf
       python - <<'PY'
 import json, os
 src = "docs/quality/quality_gemma3_270m_4k.jsonl"
@@ -52,12 +55,7 @@ keep = [l for l in open(src) if json.loads(l)["method"] not in ("quest", "omnikv
 open(dst, "w").writelines(keep)
 print(f"kept {len(keep)} records")
 PY
-      PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
-         --model /tmp/g/gemma-3-270m-q4_k_m.gguf --lengths 4096 --samples 20 \
-         --tasks niah_single,niah_multikey,variable_tracking --ratios 0.5,0.75,0.9 \
-         --max-num-seqs 64 --enforce-eager --no-progress \
-         --json "$OUT/quality_gemma3_270m_4k.json" --plot "$OUT/quality_gemma3_270m_4k.png" \
-         | tail -30 ;;
+      quality_grid ;;
     kvpress)
       # Issue 4: snapkv vs kvpress's SnapKVPress at 32K (carry .kvpress_whl: kvpress 0.5.5,
       # transformers 5.2.0, tokenizers 0.22.2; kvpress needs transformers < 5.3).

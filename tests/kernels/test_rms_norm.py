@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytest.importorskip("triton")
-if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-    pytest.skip("needs a CUDA GPU, or TRITON_INTERPRET=1", allow_module_level=True)
+from kernel_env import DEVICE, INTERPRET, require_triton
+
+require_triton()
 
 from sparsevllm.attention.triton import rms_norm  # noqa: E402
 from sparsevllm.layers.norm import GemmaRMSNorm, RMSNorm  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRET = DEVICE.type == "cpu"
 
 
 def reference(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

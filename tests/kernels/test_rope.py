@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytest.importorskip("triton")
-if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-    pytest.skip("needs a CUDA GPU, or TRITON_INTERPRET=1", allow_module_level=True)
+from kernel_env import DEVICE, require_triton
+
+require_triton()
 
 from conftest import LLAMA3_ROPE as LLAMA3  # noqa: E402
 from sparsevllm.attention.triton import apply_rope  # noqa: E402
 from sparsevllm.layers.rotary import RotaryEmbedding  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

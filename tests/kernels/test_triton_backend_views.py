@@ -4,20 +4,16 @@ reference backend does."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
-pytest.importorskip("triton")
-if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-    pytest.skip("needs a CUDA GPU, or TRITON_INTERPRET=1", allow_module_level=True)
+from kernel_env import DEVICE, require_triton
+
+require_triton()
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
 from sparsevllm.attention import triton_backend  # noqa: E402
 from sparsevllm.engine import runner as runner_module  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Staggered lengths and a small chunk: the long prompts are still prefilling while the
 # short ones decode, so most steps mix prefill chunks with decoding rows.
 PROMPTS = [[1, 5, 6, 7], [1] + list(range(10, 40)), [1] + list(range(100, 170))]
@@ -50,7 +46,7 @@ def test_mixed_batches_apply_decode_views(tiny_model_factory, method, monkeypatc
 
     monkeypatch.setattr(triton_backend.TritonBackend, "_single_query_views", spy)
     monkeypatch.setattr(runner_module, "default_backend_name", lambda device: "triton")
-    llm = LLM(model, device=DEVICE, **kwargs)
+    llm = LLM(model, device=DEVICE.type, **kwargs)
     assert llm.engine.runner.backend.name == "triton"
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert mixed_rows and max(mixed_rows) >= 1  # decoding rows met prefill chunks
@@ -74,7 +70,7 @@ def test_prefill_window_scores_through_the_slot_table(tiny_model_factory, monkey
     )
     ref = LLM(model, device="cpu", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.setattr(runner_module, "default_backend_name", lambda device: "triton")
-    llm = LLM(model, device=DEVICE, **kwargs)
+    llm = LLM(model, device=DEVICE.type, **kwargs)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     # The parked chains hold compressed views: fewer slots than prompt + output tokens.

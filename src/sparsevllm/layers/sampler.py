@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -92,18 +93,9 @@ class SampledTokens:
 class Sampler:
     """Stateless batched sampler; see the module docstring for the pipeline."""
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        token_histories: Sequence[TokenHistory],
-        generators: Sequence[torch.Generator | None],
-        *,
-        eos_token_ids: Collection[int] = frozenset(),
-    ) -> SamplerOutput:
-        return self.launch(
-            logits, params, token_histories, generators, eos_token_ids=eos_token_ids
-        ).result()
+    def __call__(self, *args: Any, **kwargs: Any) -> SamplerOutput:
+        """`launch(...)` (same arguments), waiting for the tokens on the host."""
+        return self.launch(*args, **kwargs).result()
 
     def launch(
         self,
