@@ -20,8 +20,8 @@ quality_grid() {
      --json "$OUT/quality_gemma3_270m_4k.json" --plot "$OUT/quality_gemma3_270m_4k.png" \
      | tail -40
 }
-for part in "$@"; do
-  case $part in
+run_part() {
+  case $1 in
     tests)
       nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
       python -m pytest -q tests/gpu tests/kernels 2>&1 | tail -15 ;;
@@ -90,14 +90,15 @@ PY
            --json "$OUT/dense_b64_8k${a:+_async}.json" \
            | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
         python -m sparsevllm.bench.profile_step --prompt-len 4096 --batch-size 128 --steps 6 \
-           --sparse-method snapkv --decode-keep-tokens 2048 $a \
+           --sparse-method snapkv --decode-keep-tokens 2048 --cprofile 4 $a \
            --json "$OUT/profile_snapkv_b128${a:+_async}.json" | tail -2
       done ;;
     prefill32k)
       # Issue 4: a 32K prompt's prefill against HF (SDPA attention + the same matmuls).
       for c in 2048 32768; do
         $M --prompt-len 32768 --output-len 16 --batch-size 1 --max-model-len 32896 \
-           --chunk-prefill-size $c --compare hf --json "$OUT/prefill_32k_chunk${c}_vs_hf.json" \
+           --chunk-prefill-size $c --max-num-batched-tokens $((c > 8192 ? c : 8192)) \
+           --compare hf --json "$OUT/prefill_32k_chunk${c}_vs_hf.json" \
            | grep -E '"prefill_tokens_per_s"|prefill_ratio_vs_hf'
       done ;;
     profile)
@@ -125,4 +126,8 @@ PY
          ${SNAP_FLAGS:-} \
          --json "$OUT/snapkv_32k_maxbatch.json" | tail -3 ;;
   esac
+}
+# Each part's output is also kept in $OUT (a call that times out still returns it).
+for part in "$@"; do
+  run_part "$part" 2>&1 | tee "$OUT/log_$part.txt"
 done

@@ -70,7 +70,7 @@ FIELD_HELP: dict[str, str] = {
     "decode_keep_tokens).",
     "h2o_decode_eviction_interval": "H2O: evict once this many tokens above the budget.",
     "full_attention_layers": "OmniKV: layers that attend fully and select tokens for the "
-    "layers after them (default: 0 and every quarter of the depth).",
+    "layers after them (default: the first layer and every 8th after it).",
     "quest_chunk_size": "Quest: tokens per page scored by key min/max.",
     "quest_skip_layers": "Quest: the first layers stay dense.",
 }

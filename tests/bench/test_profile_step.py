@@ -27,14 +27,21 @@ def as_if_cuda(monkeypatch):
 def test_profile_step_reports_phases(as_if_cuda, tmp_path, capsys):
     out = tmp_path / "prof.json"
     argv = ["--prompt-len", "40", "--batch-size", "3", "--steps", "2", "--json", str(out)]
-    argv += ["--prefill-steps", "1"]
+    argv += ["--prefill-steps", "1", "--cprofile", "2"]
     profile_step.main([*argv, "--sparse-method", "quest", "--decode-keep-tokens", "36"])
     report = json.loads(out.read_text())
     assert report["args"]["batch_size"] == 3 and report["step_ms"] > 0
     phases = report["host_phases_ms"]
     want = {"schedule", "prepare", "graph_replay", "after_step", "sample_launch", "wait_tokens"}
+    want |= {"schedule_ahead", "complete", "outputs"}
     assert set(phases) == want | {"other"}
     assert phases["schedule"] > 0 and phases["prepare"] > 0 and phases["wait_tokens"] > 0
+    assert phases["complete"] > 0 and phases["schedule_ahead"] == 0  # not overlapped
+    # cProfile's view of the same steps: the engine's step is among the costliest.
+    functions = {r["function"].split(":")[0]: r for r in report["host_functions"]}
+    prepare, step = functions["_prepare (runner.py"], functions["step (engine.py"]
+    assert prepare["calls_per_step"] == 1
+    assert step["cumulative_ms_per_step"] >= prepare["cumulative_ms_per_step"] > 0
     # The wrappers are gone: the engine still steps.
     assert profile_step.SampledTokens.result.__name__ == "result"
     assert report["prefill"]["steps"] == 1 and report["prefill"]["host_phases_ms"]["prepare"] > 0

@@ -46,7 +46,7 @@ def test_mixed_batches_apply_decode_views(tiny_model_factory, method, monkeypatc
 
     monkeypatch.setattr(triton_backend.TritonBackend, "_single_query_views", spy)
     monkeypatch.setattr(runner_module, "default_backend_name", lambda device: "triton")
-    llm = LLM(model, device=DEVICE.type, **kwargs)
+    llm = LLM(model, device=DEVICE.type, kv_cache_memory_gb=1, **kwargs)
     assert llm.engine.runner.backend.name == "triton"
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert mixed_rows and max(mixed_rows) >= 1  # decoding rows met prefill chunks
@@ -70,7 +70,7 @@ def test_prefill_window_scores_through_the_slot_table(tiny_model_factory, monkey
     )
     ref = LLM(model, device="cpu", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.setattr(runner_module, "default_backend_name", lambda device: "triton")
-    llm = LLM(model, device=DEVICE.type, **kwargs)
+    llm = LLM(model, device=DEVICE.type, kv_cache_memory_gb=1, **kwargs)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     # The parked chains hold compressed views: fewer slots than prompt + output tokens.

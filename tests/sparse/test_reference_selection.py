@@ -304,13 +304,15 @@ def _omnikv_ref(full: list[int], layer: int, scores: dict, row: int, budget: int
     return ref_omnikv(scores[source][row], budget)
 
 
-@pytest.mark.parametrize("full_layers", [(0, 3, 5), None])
-def test_omnikv_select_view_uses_nearest_full_layer_below(full_layers):
+# None: the default, the first layer and every 8th after it.
+@pytest.mark.parametrize(
+    "full_layers, layers, full", [((0, 3, 5), 8, [0, 3, 5]), (None, 20, [0, 8, 16])]
+)
+def test_omnikv_select_view_uses_nearest_full_layer_below(full_layers, layers, full):
     torch.manual_seed(0)
-    layers, budget = 8, 10
+    budget = 10
     c = cfg("omnikv", decode_keep_tokens=budget, sink_keep_tokens=0, recent_keep_tokens=0)
     m = OmniKV(c.replace(full_attention_layers=full_layers), layers, HKV)
-    full = sorted(full_layers or {0, 2, 4, 6})
     assert m.score_layers == frozenset(full)
     lengths = [20, 9]  # row 1's context (8) fits the budget: it reads everything
     scores = {f: [torch.rand(HQ, n) for n in lengths] for f in full}

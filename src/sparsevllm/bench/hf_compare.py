@@ -27,12 +27,14 @@ def hf_generate_throughput(args: argparse.Namespace, report: dict[str, Any]) -> 
     llm = args._llm
     runner = llm.engine.runner
     ours = runner.model
-    hf = AutoModelForCausalLM.from_config(ours.config, dtype=runner.dtype).to(runner.device).eval()
+    runner.free_device_memory()  # our KV pool and graphs: transformers needs the room
+    # Built on the device: initialising 8B random weights on the host takes minutes.
+    with torch.device(runner.device):
+        hf = AutoModelForCausalLM.from_config(ours.config, dtype=runner.dtype).eval()
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"weights do not map onto transformers: {missing} {unexpected}")
     hf.tie_weights()
-    runner.free_device_memory()  # our KV pool and graphs: transformers needs the room
     batch = args.hf_batch_size or report["batch_size"]
     plen, olen = report["prompt_len"], report["output_len"]
     vocab = ours.config.vocab_size

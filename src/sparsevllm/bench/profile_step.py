@@ -57,6 +57,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="also profile 2 x this many prefill steps (host phases, then kernels)",
     )
+    p.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run N decode steps (as configured) under cProfile: host functions by "
+        "own and cumulative time per step",
+    )
     p.add_argument("--json", help="write the step times and the kernel table here")
     return p.parse_args(argv)
 
@@ -138,6 +146,10 @@ def host_phases(llm: LLM, n: int) -> dict[str, float]:
         "after_step": (runner.method, "after_step"),
         "sample_launch": (runner.sampler, "launch"),
         "wait_tokens": (SampledTokens, "result"),
+        # Overlapped scheduling: the step scheduled ahead, then the finished one accounted.
+        "schedule_ahead": (engine.scheduler, "schedule_ahead"),
+        "complete": (engine, "_complete"),
+        "outputs": (engine, "_outputs"),
     }
     spent = dict.fromkeys(targets, 0.0)
     originals = {}
@@ -169,6 +181,31 @@ def host_phases(llm: LLM, n: int) -> dict[str, float]:
     return result
 
 
+def host_functions(llm: LLM, n: int, rows: int) -> list[dict[str, Any]]:
+    """The host functions of `n` steps under cProfile: ms per step of own time and of
+    cumulative time, the `rows` largest by own time plus the largest cumulative ones."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    timed_steps(llm, n)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    table = [
+        dict(
+            function=f"{name} ({file.rsplit('/', 2)[-1]}:{line})",
+            calls_per_step=nc / n,
+            own_ms_per_step=1e3 * tt / n,
+            cumulative_ms_per_step=1e3 * ct / n,
+        )
+        for (file, line, name), (_, nc, tt, ct, _) in stats.items()
+    ]
+    by_own = sorted(table, key=lambda r: r["own_ms_per_step"], reverse=True)[:rows]
+    by_cum = sorted(table, key=lambda r: r["cumulative_ms_per_step"], reverse=True)[:rows]
+    return by_own + [r for r in by_cum if r not in by_own]
+
+
 def kernel_table(llm: LLM, n: int) -> tuple[list[dict[str, Any]], str]:
     """GPU time per kernel name and step, from `n` profiled steps."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -198,6 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     prefill = start_decoding(llm, args)
     step_ms = statistics.median(timed_steps(llm, args.steps)) * 1e3
     phases = host_phases(llm, args.steps)
+    functions = host_functions(llm, args.cprofile, args.rows) if args.cprofile else []
+    if functions:
+        print(f"{'host function (cProfile)':<70} {'calls':>7} {'own ms':>7} {'cum ms':>7}")
+        for r in functions:
+            print(
+                f"{r['function'][:70]:<70} {r['calls_per_step']:7.0f} "
+                f"{r['own_ms_per_step']:7.2f} {r['cumulative_ms_per_step']:7.2f}"
+            )
     llm.engine.runner.graphs = None  # the runner replays graphs only when it has them
     eager_ms = statistics.median(timed_steps(llm, args.steps)) * 1e3
     table, cpu_text = kernel_table(llm, args.steps)
@@ -219,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
             eager_step_ms=eager_ms,
             kernel_ms=kernel_ms,
             host_phases_ms=phases,
+            host_functions=functions,
             prefill=prefill,
         )
         with open(args.json, "w") as f:

@@ -93,14 +93,17 @@ class DecodeGraphs:
         self.graphs.clear()
         self.rows.fill_(self.pad_row)
         for size in reversed(self.buckets):  # largest first: smaller ones reuse its pool
-            batch = self._static_batch(size)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
+            # A fresh batch per forward, as in eager steps: a method's per-step results
+            # (batch.method_cache, kept scores) from a warm-up run must not be reused by
+            # the captured one, or the graph would replay those stale tensors.
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile Triton kernels outside the capture
-                    model.compute_logits(model(self.ids[:size], batch))
+                    model.compute_logits(model(self.ids[:size], self._static_batch(size)))
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            batch = self._static_batch(size)
             with torch.cuda.graph(graph, pool=self.mem_pool):
                 logits = model.compute_logits(model(self.ids[:size], batch))
             self.mem_pool = graph.pool()

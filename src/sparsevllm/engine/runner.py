@@ -19,6 +19,7 @@ from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model
 from sparsevllm.sparse.base import SeqStep
 from sparsevllm.sparse.registry import create_method, resolve_prefill_policy
+from sparsevllm.upload import upload
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +334,7 @@ class ModelRunner:
         # One host-to-device copy for all per-step integers, split on the device.
         parts = [ids, positions, logits_rows, rows, q_starts, score_rows, decode]
         parts += [*slot_rows, *view_lens]
-        packed = self._to_device([v for part in parts for v in part])
+        packed = upload([v for part in parts for v in part], torch.long, self.device)
         pieces = list(torch.split(packed, [len(p) for p in parts]))
         t_ids, t_pos, t_logits, t_rows, t_qs, t_score_rows, t_decode = pieces[:7]
         pieces = pieces[7:]
@@ -362,9 +363,3 @@ class ModelRunner:
         )
         self.method.begin_step(batch)
         return batch, t_ids, steps
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        return t

@@ -13,6 +13,7 @@ import operator
 import torch
 
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.upload import upload
 
 
 class DeviceSlotTables:
@@ -68,15 +69,15 @@ class DeviceSlotTables:
                     values.extend(table[done:])
             self._synced[seq_id] = lens
         if values:
-            index = _upload(flat_index, torch.long, self.device)
-            self.table.view(-1).index_copy_(0, index, _upload(values, torch.int32, self.device))
+            index = upload(flat_index, torch.long, self.device)
+            self.table.view(-1).index_copy_(0, index, upload(values, torch.int32, self.device))
 
     def rewrite(self, seq_id: int, group: int) -> None:
         """Replace a row after an eviction changed the view."""
         view = self.pool.table(seq_id, group)
         row = self.row(seq_id)
         if view:
-            self.table[group, row, : len(view)] = _upload(view, torch.int32, self.device)
+            self.table[group, row, : len(view)] = upload(view, torch.int32, self.device)
         self._synced[seq_id][group] = len(view)
 
     def invalidate(self, seq_id: int, group: int) -> None:
@@ -90,10 +91,3 @@ class DeviceSlotTables:
         if row is not None:
             self._free_rows.append(row)
             self._synced.pop(seq_id, None)
-
-
-def _upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t

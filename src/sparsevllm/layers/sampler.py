@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sparsevllm.sampling import SamplingParams
+from sparsevllm.upload import upload
 
 TokenHistory = tuple[Sequence[int], Sequence[int]]
 
@@ -125,7 +126,7 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
+            rows = upload(sampled, torch.long, logits.device)
             token_ids[rows] = _sample_rows(
                 logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
             )
@@ -150,12 +151,8 @@ def _flat_token_index(
 
     Ids outside ``[0, vocab)`` are dropped: they would otherwise alias another row.
     """
-    parts = []
-    for row, seq in enumerate(seqs):
-        ids = torch.as_tensor(list(seq), dtype=torch.long)
-        ids = ids[(ids >= 0) & (ids < vocab)]
-        parts.append(ids + row * vocab)
-    return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
+    flat = [t + row * vocab for row, seq in enumerate(seqs) for t in seq if 0 <= t < vocab]
+    return upload(flat, torch.long, device)
 
 
 def apply_penalties(
@@ -174,7 +171,7 @@ def apply_penalties(
     if not rows:
         return
     vocab, device = logits.shape[1], logits.device
-    row_idx = torch.tensor(rows, device=device)
+    row_idx = upload(rows, torch.long, device)
     sub = logits[row_idx]
     n = len(rows)
 
@@ -183,8 +180,9 @@ def apply_penalties(
     counts.index_add_(0, out_flat, torch.ones_like(out_flat, dtype=torch.float32))
     counts = counts.view(n, vocab)
 
-    rep = torch.tensor([params[i].repetition_penalty for i in rows], device=device)
-    if bool((rep != 1.0).any()):
+    reps = [params[i].repetition_penalty for i in rows]
+    if any(r != 1.0 for r in reps):  # decided on the host: no device sync
+        rep = upload(reps, torch.float32, device)
         seen = (counts > 0).view(-1)
         seen[_flat_token_index([token_histories[i][0] for i in rows], vocab, device)] = True
         seen = seen.view(n, vocab)
@@ -192,8 +190,8 @@ def apply_penalties(
         penalised = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalised, sub)
 
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=device)
-    pres = torch.tensor([params[i].presence_penalty for i in rows], device=device)
+    freq = upload([params[i].frequency_penalty for i in rows], torch.float32, device)
+    pres = upload([params[i].presence_penalty for i in rows], torch.float32, device)
     sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
     logits[row_idx] = sub
 
@@ -223,7 +221,7 @@ def suppress_stop_tokens(
         cols.extend(banned_in_vocab)
     if rows:
         device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        logits[upload(rows, torch.long, device), upload(cols, torch.long, device)] = float("-inf")
 
 
 # ---------------------------------------------------------------------- sampling
@@ -234,20 +232,20 @@ def _sample_rows(
 ) -> torch.Tensor:
     """Sample one token per row of (already penalised) non-greedy ``logits``."""
     device, vocab = logits.device, logits.shape[1]
-    temps = torch.tensor([p.temperature for p in params], device=device)
+    temps = upload([p.temperature for p in params], torch.float32, device)
     logits.div_(temps[:, None])
 
     if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
         # Disabled knobs become no-op thresholds so the batch stays vectorised.
-        top_k = torch.tensor(
-            [min(p.top_k, vocab) if p.top_k_enabled else vocab for p in params], device=device
+        top_k = upload(
+            [min(p.top_k, vocab) if p.top_k_enabled else vocab for p in params], torch.long, device
         )
-        top_p = torch.tensor(
-            [p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device
+        top_p = upload(
+            [p.top_p if p.top_p < 1.0 else float("inf") for p in params], torch.float32, device
         )
         apply_top_k_top_p(logits, top_k, top_p)
     if any(p.min_p > 0.0 for p in params):
-        apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        apply_min_p(logits, upload([p.min_p for p in params], torch.float32, device))
 
     probs = logits.softmax(dim=-1)
     return _exponential_race(probs, generators)
@@ -299,7 +297,7 @@ def _exponential_race(
         noise.exponential_()
     else:
         if unseeded:
-            idx = torch.tensor(unseeded, device=probs.device)
+            idx = upload(unseeded, torch.long, probs.device)
             noise[idx] = torch.empty_like(probs[idx]).exponential_()
         for i, gen in enumerate(generators):
             if gen is not None:

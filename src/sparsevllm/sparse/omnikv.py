@@ -16,6 +16,8 @@ import torch
 
 from sparsevllm.sparse.base import SeqStep, SparseMethod
 
+DEFAULT_FULL_LAYER_STRIDE = 8
+
 
 class OmniKV(SparseMethod):
     name = "omnikv"
@@ -28,10 +30,12 @@ class OmniKV(SparseMethod):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         managed = self.layers  # sliding-window layers are not OmniKV's
-        n = len(managed)
         layers = self.config.full_attention_layers
         if layers is None:
-            layers = sorted({managed[i] for i in (0, n // 4, n // 2, 3 * n // 4)})
+            # One full layer per 8 managed ones (Llama-3-8B: 0, 8, 16, 24). A fixed stride,
+            # not a fraction of the depth: with few managed layers (Gemma 3's global ones)
+            # quarters of the depth would make every layer full, i.e. dense attention.
+            layers = managed[::DEFAULT_FULL_LAYER_STRIDE]
         if managed[0] not in layers or not set(layers) <= set(managed):
             raise ValueError(
                 f"full_attention_layers must include layer {managed[0]} and lie in the "

@@ -24,6 +24,7 @@ import logging
 import torch
 
 from sparsevllm.sparse.base import KVAccess
+from sparsevllm.upload import upload
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,10 @@ class QuestPages:
             self._compute(kv, new, device)
         if writes:
             rows, idx, ids = zip(*writes)
-            flat = _upload([r * self.table.shape[1] + j for r, j in zip(rows, idx)], device)
-            self.table.view(-1).index_copy_(0, flat, _upload(list(ids), device).int())
+            flat = upload(
+                [r * self.table.shape[1] + j for r, j in zip(rows, idx)], torch.long, device
+            )
+            self.table.view(-1).index_copy_(0, flat, upload(list(ids), torch.int32, device))
 
     def release(self, seq_id: int) -> None:
         for page in self._seq_pages.pop(seq_id, []):
@@ -138,17 +141,11 @@ class QuestPages:
         chunks, so a batch entering decode after long prompts stays within memory)."""
         for start in range(0, len(new), _CHUNK_PAGES):
             part = new[start : start + _CHUNK_PAGES]
-            ids = _upload([page for page, _ in part], device)  # [N]
-            slots = _upload([s for _, key in part for s in key], device).view(len(part), -1)
+            ids = upload([page for page, _ in part], torch.long, device)  # [N]
+            slots = upload([s for _, key in part for s in key], torch.long, device).view(
+                len(part), -1
+            )
             for layer in self.layers:
                 keys = kv.gather_keys(layer, slots)  # [N, size, Hkv, D]
                 lo, hi = torch.aminmax(keys, dim=1)  # 2 x [N, Hkv, D]
                 self.bounds[layer][ids] = torch.stack([lo, hi], dim=1)
-
-
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host ints -> device int64 without blocking the host (pinned, asynchronous)."""
-    t = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t

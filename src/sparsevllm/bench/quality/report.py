@@ -159,11 +159,13 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
             _plot_panel(axes[i][j], rows, grid["ratios"])
             axes[i][j].set_title(f"{task} ({length} tokens)", fontsize=10)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5) or 1, fontsize=9)
     model = Path(str(report["metadata"]["model"])).name
     fig.suptitle(f"long-context quality vs KV compression: {model}")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
+    fig.tight_layout()
+    # Beside the panels, one method per line: any number of methods fits without
+    # covering the axis labels; bbox_inches="tight" widens the image to hold it.
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=9)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
