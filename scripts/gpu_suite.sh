@@ -45,13 +45,15 @@ run_part() {
     quality)
       quality_grid ;;
     quality-rerun)
-      # Issue 7: re-measure Quest and OmniKV (their first GPU rows read dense in steps that
-      # mixed prefill chunks): drop their records, resume the same grid (the rest is kept).
+      # Issue 7: re-measure some methods' rows (RERUN, default omnikv: its default full
+      # layers changed in session 4): drop their records, resume the same grid (the rest
+      # is kept).
       python - <<'PY'
 import json, os
 src = "docs/quality/quality_gemma3_270m_4k.jsonl"
 dst = os.environ["OUT"] + "/quality_gemma3_270m_4k.jsonl"
-keep = [l for l in open(src) if json.loads(l)["method"] not in ("quest", "omnikv")]
+drop = os.environ.get("RERUN", "omnikv").split(",")
+keep = [l for l in open(src) if json.loads(l)["method"] not in drop]
 open(dst, "w").writelines(keep)
 print(f"kept {len(keep)} records")
 PY

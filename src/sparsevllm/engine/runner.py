@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import operator
+from itertools import chain
 
 import torch
 
@@ -22,6 +24,7 @@ from sparsevllm.sparse.registry import create_method, resolve_prefill_policy
 from sparsevllm.upload import upload
 
 logger = logging.getLogger(__name__)
+_LAST = operator.itemgetter(-1)  # a view's newest slot
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CPU_DEFAULT_KV_GB = 1.0
@@ -301,11 +304,9 @@ class ModelRunner:
         positions: list[int] = []
         q_starts: list[int] = [0]
         logits_rows: list[int] = []
-        slot_rows: list[list[int]] = [[] for _ in range(pool.num_groups)]
-        view_lens: list[list[int]] = [[] for _ in range(pool.num_groups)]
         steps: list[SeqStep] = []
         seq_ids = [s.seq.seq_id for s in sched.scheduled]
-        self.tables.sync(seq_ids)
+        slots, lens, view_lens, seq_major, deferred = self._slot_lists(sched, seq_ids, pool)
         rows = [self.tables.row(i) for i in seq_ids]
         for i, s in enumerate(sched.scheduled):
             n, seq = s.num_new_tokens, s.seq
@@ -316,42 +317,38 @@ class ModelRunner:
             if s.samples:
                 logits_rows.append(len(ids) - 1)
             steps.append(SeqStep(seq.seq_id, i, s.start, n, seq.num_prompt_tokens))
-        # Per group, one pass over the batch: with one group per layer this loop runs
-        # num_seqs x num_layers times per step, so it stays free of calls.
-        views = [pool.tables[i] for i in seq_ids]
-        counts = [s.num_new_tokens for s in sched.scheduled]
-        single = all(n == 1 for n in counts)
-        for g in range(pool.num_groups):
-            tables = [v[g] for v in views]
-            view_lens[g] = [len(t) for t in tables]
-            if single:
-                slot_rows[g] = [t[-1] for t in tables]
-            else:
-                for t, n in zip(tables, counts):
-                    slot_rows[g].extend(t[-n:])
         score_rows = [self.method.score_rows(st) for st in steps]
         decode = [int(st.is_decode) for st in steps]
         # One host-to-device copy for all per-step integers, split on the device.
-        parts = [ids, positions, logits_rows, rows, q_starts, score_rows, decode]
-        parts += [*slot_rows, *view_lens]
-        packed = upload([v for part in parts for v in part], torch.long, self.device)
-        pieces = list(torch.split(packed, [len(p) for p in parts]))
-        t_ids, t_pos, t_logits, t_rows, t_qs, t_score_rows, t_decode = pieces[:7]
-        pieces = pieces[7:]
-        num_groups = pool.num_groups
+        parts = [ids, positions, logits_rows, rows, q_starts, score_rows, decode, slots, lens]
+        packed = upload(list(chain.from_iterable(parts)), torch.long, self.device)
+        t_ids, t_pos, t_logits, t_rows, t_qs, t_score_rows, t_decode, t_slots, t_lens = torch.split(
+            packed, [len(p) for p in parts]
+        )
+        groups, num_seqs = pool.num_groups, len(seq_ids)
+        if seq_major:  # [S, G] -> [G, S]
+            slot_mapping = t_slots.view(num_seqs, groups).t().contiguous()
+            view_lens_t = t_lens.view(num_seqs, groups).t().contiguous().int()
+        else:
+            slot_mapping = t_slots.view(groups, len(ids))  # [G, T]
+            view_lens_t = t_lens.view(groups, num_seqs).int()  # [G, S]
+        rows_t = t_rows.int()
+        if deferred:  # the slot-table entries sync left to the device
+            which = None if len(deferred) == num_seqs else upload(deferred, torch.long, self.device)
+            self.tables.write_newest(rows_t, view_lens_t, slot_mapping, which)
         batch = ForwardBatch(
             positions=t_pos,
             q_starts=q_starts[:-1],
             q_lens=[s.num_new_tokens for s in sched.scheduled],
-            slot_mapping=torch.stack(pieces[:num_groups]),
+            slot_mapping=slot_mapping,
             tables=self.tables.table,
             rows=rows,
             view_lens=view_lens,
             group_of_layer=pool.group_of_layer,
             logits_indices=t_logits,
             backend=self.backend,
-            rows_t=t_rows.int(),
-            view_lens_t=torch.stack(pieces[num_groups:]).int(),
+            rows_t=rows_t,
+            view_lens_t=view_lens_t,
             q_starts_t=t_qs.int(),
             decode_t=t_decode.bool(),
             score_rows_t=t_score_rows.int(),
@@ -363,3 +360,30 @@ class ModelRunner:
         )
         self.method.begin_step(batch)
         return batch, t_ids, steps
+
+    def _slot_lists(
+        self, sched: SchedulerOutput, seq_ids: list[int], pool: KVPool
+    ) -> tuple[list[int], list[int], list[list[int]], bool, list[int]]:
+        """Each sequence's new slots and view lengths per layer group, and the slot-table
+        sync. Returns (slots, lens, view_lens, seq_major, deferred): `slots` and `lens`
+        flat for the upload, group-major ([G][T], [G][S]) or, in steps of one new token
+        per sequence, seq-major ([S][G] both: one C-level pass per sequence, as there
+        may be a group per layer); `view_lens` the host lists [G][S]; `deferred` the
+        sequences whose newest entries the device writes (DeviceSlotTables.sync)."""
+        views = [pool.tables[i] for i in seq_ids]
+        counts = [s.num_new_tokens for s in sched.scheduled]
+        if counts and all(n == 1 for n in counts):
+            lens_by_seq = [list(map(len, v)) for v in views]
+            newest = [list(map(_LAST, v)) for v in views]
+            view_lens = [list(col) for col in zip(*lens_by_seq)]
+            deferred = self.tables.sync(seq_ids, lens_by_seq)
+            slots, lens = chain.from_iterable(newest), chain.from_iterable(lens_by_seq)
+            return list(slots), list(lens), view_lens, True, deferred
+        self.tables.sync(seq_ids)
+        slots, view_lens = [], []
+        for g in range(pool.num_groups):
+            tables = [v[g] for v in views]
+            view_lens.append([len(t) for t in tables])
+            for t, n in zip(tables, counts):
+                slots.extend(t[-n:])
+        return slots, list(chain.from_iterable(view_lens)), view_lens, False, []

@@ -41,25 +41,35 @@ class DeviceSlotTables:
         """Take a row out of circulation (the CUDA-graph padding row)."""
         self._free_rows.remove(row)
 
-    def sync(self, seq_ids: list[int]) -> None:
-        """Upload the entries the pool appended since the last sync, in one scatter."""
+    def sync(self, seq_ids: list[int], lens_by_seq: list[list[int]] | None = None) -> list[int]:
+        """Upload the entries the pool appended since the last sync, in one scatter.
+
+        With `lens_by_seq` (each sequence's current view length per group, as the caller
+        computed them anyway), sequences whose every view grew by exactly one entry (a
+        decode step) are left out of the upload: their indices into `seq_ids` are
+        returned, and the caller writes their newest entries on the device from tensors
+        it uploads anyway (`write_newest`)."""
         flat_index: list[int] = []
         values: list[int] = []
+        deferred: list[int] = []
         group_stride = self.table.shape[1] * self.max_len
         num_groups = self.pool.num_groups
         # Runs for num_seqs x num_groups views per step (one group per layer for
         # eviction methods), so the common case (every group grew by one entry, a
         # decode step) is done with C-level map()s instead of a Python loop per group.
-        for seq_id in seq_ids:
+        for i, seq_id in enumerate(seq_ids):
             row_base = self.row(seq_id) * self.max_len
             synced = self._synced[seq_id]
             tables = self.pool.tables[seq_id]
-            lens = list(map(len, tables))
+            lens = list(map(len, tables)) if lens_by_seq is None else lens_by_seq[i]
             grew = list(map(operator.sub, lens, synced))
             if grew.count(1) == num_groups:
-                bases = range(row_base, row_base + num_groups * group_stride, group_stride)
-                flat_index.extend(map(operator.add, bases, synced))
-                values.extend(map(operator.getitem, tables, synced))
+                if lens_by_seq is not None:
+                    deferred.append(i)
+                else:
+                    bases = range(row_base, row_base + num_groups * group_stride, group_stride)
+                    flat_index.extend(map(operator.add, bases, synced))
+                    values.extend(map(operator.getitem, tables, synced))
             elif any(grew):
                 if min(grew) < 0:
                     raise RuntimeError("slot table shrank without a rewrite")
@@ -71,6 +81,21 @@ class DeviceSlotTables:
         if values:
             index = upload(flat_index, torch.long, self.device)
             self.table.view(-1).index_copy_(0, index, upload(values, torch.int32, self.device))
+        return deferred
+
+    def write_newest(
+        self,
+        rows: torch.Tensor,  # [S] table row of each sequence
+        view_lens: torch.Tensor,  # [G, S] view lengths after the step
+        slots: torch.Tensor,  # [G, S] slot of each sequence's newest entry per group
+        which: torch.Tensor | None = None,  # [R] the sequences to write (None: all)
+    ) -> None:
+        """Write each sequence's newest entry per group (`sync`'s deferred sequences):
+        `table[g, rows[s], view_lens[g, s] - 1] = slots[g, s]`, one device scatter."""
+        if which is not None:
+            rows, view_lens, slots = rows[which], view_lens[:, which], slots[:, which]
+        groups = torch.arange(view_lens.shape[0], device=rows.device).unsqueeze(1)  # [G, 1]
+        self.table[groups, rows.long().unsqueeze(0), view_lens.long() - 1] = slots.int()
 
     def rewrite(self, seq_id: int, group: int) -> None:
         """Replace a row after an eviction changed the view."""

@@ -1,0 +1,64 @@
+"""Device slot tables (CPU stands in for the device) and the asynchronous upload helper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.slot_tables import DeviceSlotTables
+from sparsevllm.upload import upload
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "dtype, values",
+    [(torch.int64, [3, -1, 2**40]), (torch.int32, [7, 0, -5]), (torch.float32, [0.5, 2.0])],
+)
+def test_upload_keeps_values_and_dtype(dtype, values):
+    t = upload(values, dtype, CPU)
+    assert t.dtype == dtype and t.tolist() == values
+    assert upload([], dtype, CPU).shape == (0,)
+
+
+def test_upload_refuses_values_the_dtype_cannot_hold():
+    with pytest.raises(OverflowError):
+        upload([2**40], torch.int32, CPU)
+
+
+def _grow(pool: KVPool, steps: list[tuple[int, int]]) -> None:
+    for seq_id, n in steps:
+        pool.append(seq_id, n)
+
+
+def test_deferred_newest_entries_match_the_full_upload():
+    """A decode step: sequences whose every group grew by one are written on the device
+    (write_newest) and the table equals the one sync alone uploads; the others (a fresh
+    prompt, a rewritten view) still go through the upload."""
+    tables = {}
+    for deferring in (False, True):
+        pool = KVPool(64, 3, [[0], [1], [2]])
+        t = DeviceSlotTables(pool, 4, 16, CPU)
+        _grow(pool, [(0, 5), (1, 3)])
+        t.sync([0, 1])
+        pool.replace_view(1, 2, keep=[0, 2])  # an eviction in group 2 of sequence 1
+        t.rewrite(1, 2)
+        _grow(pool, [(0, 1), (1, 1), (2, 4)])  # 0 and 1 decode, 2 is a new prompt
+        seq_ids = [0, 1, 2]
+        if not deferring:
+            assert t.sync(seq_ids) == []
+        else:
+            lens = [[len(view) for view in pool.tables[s]] for s in seq_ids]
+            deferred = t.sync(seq_ids, lens)
+            assert deferred == [0, 1]
+            rows = torch.tensor([t.row(s) for s in seq_ids])
+            view_lens = torch.tensor(lens).t()  # [G, S]
+            newest = torch.tensor([[view[-1] for view in pool.tables[s]] for s in seq_ids]).t()
+            t.write_newest(rows, view_lens, newest, torch.tensor(deferred))
+        tables[deferring] = t.table.clone()
+        for s in seq_ids:  # the device rows hold the pool's views
+            for g in range(3):
+                view = pool.table(s, g)
+                assert t.table[g, t.row(s), : len(view)].tolist() == view
+    assert torch.equal(tables[False], tables[True])
