@@ -19,7 +19,9 @@ admission and reports use (`num_free`, `num_used`, `peak_used`) cover the main g
 
 from __future__ import annotations
 
+import collections
 import itertools
+import operator
 from dataclasses import dataclass
 
 
@@ -198,12 +200,12 @@ class KVPool:
         ends = list(itertools.accumulate(counts))
         starts = [e - c for e, c in zip(ends, counts)]
         single = all(c == 1 for c in counts)
+        views = [self.tables[s] for s in seq_ids]
         for g, alloc in enumerate(self._alloc):
             slots = alloc.allocate(total)
-            tables = [self.tables[s][g] for s in seq_ids]
-            if single:
-                for table, slot in zip(tables, slots):
-                    table.append(slot)
+            tables = map(operator.itemgetter(g), views)
+            if single:  # C-level: this runs num_seqs x num_groups times per decode step
+                collections.deque(map(list.append, tables, slots), maxlen=0)
             else:
                 for table, a, b in zip(tables, starts, ends):
                     table.extend(slots[a:b])
