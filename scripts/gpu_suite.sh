@@ -121,12 +121,13 @@ PY
       $M --prompt-len 8192 --output-len 128 --batch-size 64 --max-model-len 8448 \
          --json "$OUT/dense_b64_8k.json" | tail -3 ;;
     long)
+      # Issue 4: SnapKV at its largest batch vs vanilla at its own, 32K prompts; LONG_FLAGS
+      # go to both (e.g. --async-scheduling), SNAP_SEQS caps SnapKV's batch.
       $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --max-batch \
-         --json "$OUT/vanilla_32k_maxbatch.json" | tail -3
+         ${LONG_FLAGS:-} --json "$OUT/vanilla_32k_maxbatch.json" | tail -3
       $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --max-batch \
          --sparse-method snapkv --decode-keep-tokens 2048 --max-num-seqs ${SNAP_SEQS:-128} \
-         ${SNAP_FLAGS:-} \
-         --json "$OUT/snapkv_32k_maxbatch.json" | tail -3 ;;
+         ${LONG_FLAGS:-} --json "$OUT/snapkv_32k_maxbatch.json" | tail -3 ;;
   esac
 }
 # Each part's output is also kept in $OUT (a call that times out still returns it).

@@ -25,6 +25,7 @@ from torch import nn
 
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.layers.activation import get_activation
+from sparsevllm.layers.linear import Projections
 from sparsevllm.layers.norm import GemmaRMSNorm
 from sparsevllm.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -93,14 +94,16 @@ class Gemma3Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps)
+        self.qkv = Projections(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]  # x: [T, hidden]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k, v = self.qkv(x)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(batch.positions, q, k)
         o = batch.backend.forward(
@@ -117,9 +120,11 @@ class Gemma3MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
         self.act = get_activation(config.hidden_activation)
+        self.gate_up = Projections(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -13,6 +13,7 @@ from torch import nn
 
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.layers.activation import get_activation
+from sparsevllm.layers.linear import Projections
 from sparsevllm.layers.norm import RMSNorm
 from sparsevllm.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -45,14 +46,16 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = qk_norm
+        self.qkv = Projections(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]  # x: [T, hidden]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)  # fused: strided views of one [T, (Hq + 2 Hkv) * D] GEMM
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(batch.positions, q, k)
@@ -68,9 +71,11 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.act = get_activation(config.hidden_act)
+        self.gate_up = Projections(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsevllm.layers.linear import fuse_projections
 from sparsevllm.models.registry import model_class_for
 
 
@@ -124,6 +125,11 @@ def build_model(
         state = _state_dict(source)
         remap = getattr(model, "remap_checkpoint", None)  # e.g. multimodal Gemma 3 names
         load_weights(model, remap(state) if remap is not None else state)
+    fuse_projections(model)  # last: on the final device and dtype
+    if device.type == "cuda":
+        # The unfused weights' freed blocks would otherwise stay reserved by the caching
+        # allocator and shrink the KV pool sized from the free memory.
+        torch.cuda.empty_cache()
     return model.eval()
 
 
