@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
-#   PART = tests | multiturn | dense | long | b24 | overlap | prefill32k | profile | kvpress | sweep |
+#   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
 #          gguf-part | quality | quality-rerun
 #   (several parts: run them one after another)
 set -u
@@ -94,6 +94,14 @@ PY
         python -m sparsevllm.bench.profile_step --prompt-len 4096 --batch-size 128 --steps 6 \
            --sparse-method snapkv --decode-keep-tokens 2048 --cprofile 4 $a \
            --json "$OUT/profile_snapkv_b128${a:+_async}.json" | tail -2
+      done ;;
+    layout)
+      # Issue 4: the KV slot layout's effect on dense decode (64 x 8K): shuffled (the CUDA
+      # default) vs sequential slots, same run otherwise.
+      for o in shuffled sequential; do
+        $M --prompt-len 8192 --output-len 64 --batch-size 64 --max-model-len 8448 \
+           --kv-slot-order $o --json "$OUT/dense_b64_8k_slots_$o.json" \
+           | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
       done ;;
     prefill32k)
       # Issue 4: a 32K prompt's prefill against HF (SDPA attention + the same matmuls).

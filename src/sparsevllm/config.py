@@ -37,6 +37,10 @@ FIELD_HELP: dict[str, str] = {
     "kv_cache_memory_gb": "KV pool size in GiB over all layers (CPU default: 1 GiB).",
     "gpu_memory_utilization": "On CUDA without an explicit pool size: fraction of the device "
     "memory the engine may use (weights + activations + KV pool).",
+    "kv_slot_order": "Order in which free KV slots are handed out: sequential, shuffled "
+    "(each sequence's KV spread over the pool; on the H200, decode attention over contiguous "
+    "views ran 0.615 ms per layer at 64 x 8K against 0.501 ms over permuted ones), or auto "
+    "(shuffled on CUDA, sequential elsewhere).",
     "enforce_eager": "Disable CUDA-graph capture of the decode step.",
     "async_scheduling": "Overlap the host's per-step work with the device: launch the next "
     "steady decode step before the current one's tokens reach the host (same outputs).",
@@ -106,6 +110,7 @@ class EngineConfig:
     num_kv_slots: int | None = None
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
+    kv_slot_order: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = False
     sparse_method: str = "vanilla"
@@ -148,6 +153,7 @@ class EngineConfig:
             )
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("kv_slot_order", self.kv_slot_order, ("auto", "sequential", "shuffled"))
         _check_type("enforce_eager", self.enforce_eager, bool)
         _check_type("async_scheduling", self.async_scheduling, bool)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

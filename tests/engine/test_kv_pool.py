@@ -38,3 +38,20 @@ def test_per_layer_groups_evict_independently():
 def test_groups_must_cover_layers():
     with pytest.raises(ValueError, match="must cover"):
         KVPool(8, 3, [[0, 1]])
+
+
+def test_shuffled_slot_order_is_a_seeded_permutation():
+    from sparsevllm.engine.kv_pool import shuffle_seed
+
+    assert shuffle_seed("auto", "cpu", 3) is None and shuffle_seed("auto", "cuda", 3) == 3
+    assert shuffle_seed("sequential", "cuda", 3) is None and shuffle_seed("shuffled", "cpu", 3) == 3
+    views = []
+    for seed in (7, 7, 8):
+        pool = KVPool(64, 2, [[0], [1]], shuffle_seed=seed)
+        pool.append(1, 40)
+        pool.append(2, 24)
+        views.append(pool.table(1) + pool.table(2))
+        assert sorted(pool.table(1) + pool.table(2)) == list(range(64))
+        assert pool.num_free == 0
+    assert views[0] == views[1] != views[2]  # deterministic per seed
+    assert views[0] != list(range(64))  # not the sequential order

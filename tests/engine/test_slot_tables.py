@@ -62,3 +62,26 @@ def test_deferred_newest_entries_match_the_full_upload():
                 view = pool.table(s, g)
                 assert t.table[g, t.row(s), : len(view)].tolist() == view
     assert torch.equal(tables[False], tables[True])
+
+
+def test_shuffled_slots_give_the_same_tokens(tiny_model_factory):
+    """Where the pool puts a token's KV changes no result (kv_slot_order)."""
+    from sparsevllm import LLM, SamplingParams
+
+    model = tiny_model_factory("llama")
+    prompts = [[1] + list(range(10 + 3 * i, 40 + 5 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for order in ("sequential", "shuffled"):
+        llm = LLM(
+            model,
+            dtype="float32",
+            kv_slot_order=order,
+            sparse_method="snapkv",
+            decode_keep_tokens=16,
+            recent_keep_tokens=4,
+        )
+        outs[order] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        first = llm.engine.pool.append(10**6, 8)[0]  # the next free slots, in order
+        assert (first == list(range(first[0], first[0] + 8))) == (order == "sequential")
+    assert outs["sequential"] == outs["shuffled"]

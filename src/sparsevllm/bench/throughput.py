@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from sparsevllm.bench.model_configs import MODEL_CONFIGS, write_model_config
+from sparsevllm.engine.kv_pool import shuffle_seed
 from sparsevllm.llm import LLM
 from sparsevllm.sampling import SamplingParams
 
@@ -168,6 +169,10 @@ def measure(
         "chunk_prefill_size": llm.config.chunk_prefill_size,
         "cuda_graphs": runner.graphs is not None,
         "async_scheduling": llm.config.async_scheduling,
+        "kv_slots_shuffled": shuffle_seed(
+            llm.config.kv_slot_order, runner.device.type, llm.config.seed
+        )
+        is not None,
         "prompt_len": prompt_len,
         "output_len": args.output_len,
         "batch_size": batch,

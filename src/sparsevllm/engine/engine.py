@@ -12,7 +12,7 @@ import torch
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.chain_cache import ChainCache
 from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
-from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.kv_pool import KVPool, shuffle_seed
 from sparsevllm.engine.offload_tiers import OffloadTiers, offload_stats
 from sparsevllm.engine.overlap import OverlapStepper
 from sparsevllm.engine.prefix_cache import RadixCache
@@ -43,7 +43,10 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.source, self.max_model_len)
         self.method = self.runner.method
         groups, window_groups = self.runner.pool_groups()
-        self.pool = KVPool(self.runner.num_slots, self.runner.num_layers, groups, window_groups)
+        seed = shuffle_seed(config.kv_slot_order, self.runner.device.type, config.seed)
+        self.pool = KVPool(
+            self.runner.num_slots, self.runner.num_layers, groups, window_groups, seed
+        )
         # Rows for every running sequence, plus room for rows not yet returned by
         # requests that ended mid-step and for prompt_logits().
         self.runner.bind_pool(self.pool, 2 * config.max_num_seqs + 1, self.max_model_len)

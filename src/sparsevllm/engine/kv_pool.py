@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+import random
 from dataclasses import dataclass
 
 
@@ -29,13 +30,23 @@ class PoolExhausted(RuntimeError):
     """Raised when an allocation asks for more slots than are free."""
 
 
+def shuffle_seed(order: str, device_type: str, seed: int) -> int | None:
+    """KVPool's `shuffle_seed` for EngineConfig.kv_slot_order (auto: shuffled on CUDA,
+    where decode attention read contiguous views slower than permuted ones)."""
+    if order == "auto":
+        order = "shuffled" if device_type == "cuda" else "sequential"
+    return seed if order == "shuffled" else None
+
+
 class _GroupAllocator:
     """A free list of slot ids for one layer group, with used/peak counters."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, shuffle_seed: int | None = None) -> None:
         self.num_slots = num_slots
         # Popping from the end hands out low ids first, which keeps tests readable.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        if shuffle_seed is not None:  # see EngineConfig.kv_slot_order
+            random.Random(shuffle_seed).shuffle(self._free)
         self.peak_used = 0
 
     @property
@@ -86,7 +97,10 @@ class KVPool:
         num_layers: int,
         layer_groups: list[list[int]],
         window_groups: list[WindowGroup] | None = None,
+        shuffle_seed: int | None = None,
     ) -> None:
+        """`shuffle_seed`: hand out free slots in a seeded random order instead of
+        ascending ids (views then spread over the whole pool's memory)."""
         if num_slots <= 0:
             raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
         window_groups = window_groups or []
@@ -106,8 +120,8 @@ class KVPool:
         for gi, group in enumerate(all_groups):
             for layer in group:
                 self.group_of_layer[layer] = gi
-        self._alloc = [_GroupAllocator(num_slots) for _ in layer_groups] + [
-            _GroupAllocator(w.num_slots) for w in window_groups
+        self._alloc = [_GroupAllocator(num_slots, shuffle_seed) for _ in layer_groups] + [
+            _GroupAllocator(w.num_slots, shuffle_seed) for w in window_groups
         ]
         self._main = self._alloc[: self.num_main_groups]
         # seq_id -> per-group ordered slot list (the sequence's physical view).
