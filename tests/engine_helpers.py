@@ -1,10 +1,29 @@
-"""Helpers shared by the engine tests: drive one request to its end."""
+"""Helpers shared by the engine tests: per-method knobs for the 4-layer tiny models, and
+driving one request to its end."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from sparsevllm import SamplingParams
+
+# Small budgets that make every method evict or select within the tiny prompts of the
+# engine tests (OmniKV and Quest need the 4-layer "llama4" model for their layer knobs).
+METHOD_KNOBS: dict[str, dict[str, Any]] = {
+    "vanilla": {},
+    "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": 20},
+    "snapkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
+    "pyramidkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
+    "h2o": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "sink_keep_tokens": 2},
+    "tova": {"decode_keep_tokens": 24, "recent_keep_tokens": 0, "sink_keep_tokens": 0},
+    "quest": {
+        "decode_keep_tokens": 16,
+        "recent_keep_tokens": 4,
+        "quest_chunk_size": 4,
+        "quest_skip_layers": 1,
+    },
+    "omnikv": {"decode_keep_tokens": 16, "recent_keep_tokens": 4, "full_attention_layers": (0, 2)},
+}
 
 
 def run_request(

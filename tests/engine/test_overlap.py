@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from engine_helpers import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
 
 PROMPTS = [[1] + list(range(10 + 7 * i, 40 + 9 * i)) for i in range(6)]
 KNOBS = {
-    "vanilla": {},
-    "snapkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
-    "pyramidkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
-    "quest": {
-        "decode_keep_tokens": 16,
-        "recent_keep_tokens": 4,
-        "quest_chunk_size": 4,
-        "quest_skip_layers": 1,
-    },
-    "omnikv": {"decode_keep_tokens": 16, "recent_keep_tokens": 4, "full_attention_layers": (0, 2)},
-    "h2o": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "sink_keep_tokens": 2},
-    "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": 20},
+    m: METHOD_KNOBS[m]
+    for m in ("vanilla", "snapkv", "pyramidkv", "quest", "omnikv", "h2o", "streamingllm")
 }
 OPTS_OUT = {"h2o", "streamingllm"}  # they evict while decoding: never scheduled ahead
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_helpers import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -17,18 +18,8 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 CASES = {
-    "vanilla": {},
-    "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": 20},
-    "snapkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
-    "h2o": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "sink_keep_tokens": 2},
-    "tova": {"decode_keep_tokens": 24, "recent_keep_tokens": 0, "sink_keep_tokens": 0},
-    "quest": {
-        "decode_keep_tokens": 16,
-        "recent_keep_tokens": 4,
-        "quest_chunk_size": 4,
-        "quest_skip_layers": 1,
-    },
-    "omnikv": {"decode_keep_tokens": 16, "recent_keep_tokens": 4, "full_attention_layers": (0, 2)},
+    m: METHOD_KNOBS[m]
+    for m in ("vanilla", "streamingllm", "snapkv", "h2o", "tova", "quest", "omnikv")
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_helpers import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.engine.overlap import OverlapStepper
 
@@ -14,12 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 PROMPTS = [[1] + list(range(10 + 7 * i, 40 + 9 * i)) for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-KNOBS = {
-    "vanilla": {},
-    "snapkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
-    "quest": {"decode_keep_tokens": 16, "quest_chunk_size": 4, "quest_skip_layers": 1},
-    "omnikv": {"decode_keep_tokens": 16, "full_attention_layers": (0, 2)},
-}
+KNOBS = {m: METHOD_KNOBS[m] for m in ("vanilla", "snapkv", "quest", "omnikv")}
 
 
 @pytest.mark.parametrize("method", sorted(KNOBS))
