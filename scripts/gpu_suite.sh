@@ -86,21 +86,19 @@ PY
            | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
       done ;;
     overlap)
-      # Issue 4: overlapped scheduling off / on, dense batch 64 x 8K and SnapKV batch 128.
+      # Issue 4: SnapKV's host time per step at batch 128, overlapped scheduling off / on.
       for a in "" "--async-scheduling"; do
-        $M --prompt-len 8192 --output-len 128 --batch-size 64 --max-model-len 8448 $a \
-           --json "$OUT/dense_b64_8k${a:+_async}.json" \
-           | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
         python -m sparsevllm.bench.profile_step --prompt-len 4096 --batch-size 128 --steps 6 \
            --sparse-method snapkv --decode-keep-tokens 2048 --cprofile 4 $a \
            --json "$OUT/profile_snapkv_b128${a:+_async}.json" | tail -2
       done ;;
     layout)
-      # Issue 4: the KV slot layout's effect on dense decode (64 x 8K): shuffled (the CUDA
-      # default) vs sequential slots, same run otherwise.
-      for o in shuffled sequential; do
+      # Issue 4: dense decode at 64 x 8K: the KV slot layout (shuffled, the CUDA default,
+      # vs sequential slots) and overlapped scheduling, same run otherwise.
+      for v in "shuffled" "sequential" "shuffled --async-scheduling"; do
+        set -- $v
         $M --prompt-len 8192 --output-len 64 --batch-size 64 --max-model-len 8448 \
-           --kv-slot-order $o --json "$OUT/dense_b64_8k_slots_$o.json" \
+           --kv-slot-order "$@" --json "$OUT/dense_b64_8k_slots_$1${2:+_async}.json" \
            | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
       done ;;
     prefill32k)

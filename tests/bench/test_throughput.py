@@ -68,3 +68,28 @@ def test_async_scheduling_flag_reaches_the_engine(tiny_llama: str, tmp_path: Pat
     r = json.loads(out.read_text())
     assert r["async_scheduling"] is True and r["cuda_graphs"] is False
     assert r["decode_steps_timed"] >= 3 and r["decode_tokens_per_s"] > 0
+
+
+def test_overlapped_steps_are_not_serialised(tiny_llama, tmp_path, monkeypatch) -> None:
+    """With async_scheduling a step returns while the next one runs: the benchmark must
+    not synchronise the device between steps (that would time host + device in series)."""
+    from sparsevllm.bench import throughput
+
+    syncs = {True: 0, False: 0}
+    real = throughput._sync
+    flag = {"async": False}
+
+    def counting(device):
+        syncs[flag["async"]] += 1
+        real(device)
+
+    monkeypatch.setattr(throughput, "_sync", counting)
+    args = ["bench", "throughput", "--model", tiny_llama, "--prompt-len", "40"]
+    args += ["--output-len", "8", "--batch-size", "3", "--dtype", "float32"]
+    for overlapped in (False, True):
+        flag["async"] = overlapped
+        extra = ["--async-scheduling"] if overlapped else []
+        assert main(args + extra + ["--json", str(tmp_path / f"{overlapped}.json")]) == 0
+    # Phase 2 decodes 7 tokens: a sync per step (plus two per phase) without overlap,
+    # only the two per phase with it.
+    assert syncs[False] >= 4 + 7 and syncs[True] == 4

@@ -123,13 +123,21 @@ def _fmt(phases: dict[str, float]) -> str:
 
 
 def timed_steps(llm: LLM, n: int) -> list[float]:
+    """Wall time of `n` steps, each since the previous one returned. With overlapped
+    scheduling a step returns while the next one runs on the device, so no
+    synchronisation between steps (it would serialise host and device again)."""
+    sync_each_step = not llm.engine.config.async_scheduling
     times = []
+    torch.cuda.synchronize()
+    last = time.perf_counter()
     for _ in range(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
         llm.engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        if sync_each_step:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    torch.cuda.synchronize()
     return times
 
 

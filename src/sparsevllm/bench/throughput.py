@@ -67,20 +67,30 @@ def _sync(device: torch.device) -> None:
 
 
 def _drain(engine, device: torch.device) -> tuple[list, float, list[float], list[int]]:
-    """Step until idle; time every step that computed no prefill token."""
+    """Step until idle; time every step that computed no prefill token.
+
+    A step's time is the wall time since the previous step returned. Without overlapped
+    scheduling the device is synchronised after every step; with it, a step returns as
+    soon as the tokens of the step before are on the host while the next one already
+    runs, so a synchronisation here would serialise host and device again: the time
+    between returns is then the steady-state step period."""
+    sync_each_step = not engine.config.async_scheduling
     decode_times: list[float] = []
     kv_layer_slots: list[int] = []  # resident slots summed over layers, per decode step
     outputs = []
     _sync(device)
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
         before = engine.scheduler.stats.num_prefill_tokens_computed
         outputs += [o for o in engine.step(partial_outputs=False) if o.finished]
-        _sync(device)
+        if sync_each_step:
+            _sync(device)
+        now = time.perf_counter()
         if engine.scheduler.stats.num_prefill_tokens_computed == before:
-            decode_times.append(time.perf_counter() - t0)
+            decode_times.append(now - last)
             kv_layer_slots.append(sum(engine.pool.used_per_layer()))
+        last = now
+    _sync(device)
     return outputs, time.perf_counter() - start, decode_times, kv_layer_slots
 
 
