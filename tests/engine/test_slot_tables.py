@@ -85,3 +85,25 @@ def test_shuffled_slots_give_the_same_tokens(tiny_model_factory):
         first = llm.engine.pool.append(10**6, 8)[0]  # the next free slots, in order
         assert (first == list(range(first[0], first[0] + 8))) == (order == "sequential")
     assert outs["sequential"] == outs["shuffled"]
+
+
+def test_truncated_views_keep_their_device_prefix():
+    """A per-head compaction keeps a view's first n entries: the pool frees the tail at
+    once and the device row needs no upload (synced_view is its prefix); entries not
+    yet uploaded are not offered as a synced view."""
+    pool = KVPool(32, 2, [[0], [1]])
+    t = DeviceSlotTables(pool, 2, 16, CPU)
+    pool.append(5, 10)
+    t.sync([5])
+    before = pool.table(5, 1)
+    assert t.synced_view(5, 1).tolist() == before
+    pool.truncate_view(5, 1, 4)
+    t.truncate(5, 1, 4)
+    assert pool.table(5, 1) == before[:4] and pool.used_per_layer() == [10, 4]
+    assert t.synced_view(5, 1).tolist() == before[:4]
+    assert t.sync([5]) == [] and t.synced_view(5, 0).tolist() == pool.table(5, 0)
+    pool.append(5, 2)  # new entries: the row lags until the next sync
+    assert t.synced_view(5, 1) is None and t.synced_view(7, 0) is None
+    t.sync([5])
+    assert t.synced_view(5, 1).tolist() == pool.table(5, 1)
+    assert pool.used_per_layer() == [12, 6]

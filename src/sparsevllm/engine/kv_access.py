@@ -11,6 +11,7 @@ import torch
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.view_positions import ViewPositions
+from sparsevllm.upload import upload
 
 
 class RunnerKV:
@@ -53,8 +54,18 @@ class RunnerKV:
     def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return self.k_cache[layer][slots]  # [..., Hkv, D]
 
+    def _view_tensor(self, seq_id: int, layer: int) -> torch.Tensor:
+        """A view's slot ids on the device `[L]`: the slot-table row when it is in sync
+        (no host list to convert: views are 32K entries long), else uploaded."""
+        group = self.pool.group_of_layer[layer]
+        if self.tables is not None:
+            row = self.tables.synced_view(seq_id, group)
+            if row is not None:
+                return row
+        return upload(self.pool.table(seq_id, group), torch.int32, self.device)
+
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
-        slots = torch.tensor(self._table(seq_id, layer)[start:end], device=self.device)
+        slots = self._view_tensor(seq_id, layer)[start:end].long()
         return self.k_cache[layer][slots]  # [n, Hkv, D]
 
     def logical_positions(self, seq_id: int, group: int) -> torch.Tensor:
@@ -84,14 +95,18 @@ class RunnerKV:
         if bool((positions == positions[:1]).all()):
             self.keep(seq_id, group, positions[0].tolist())  # same tokens for every head
             return
-        table = torch.tensor(self._table(seq_id, layer), device=self.device)
+        table = self._view_tensor(seq_id, layer).long()  # [L]
         self.positions.on_keep(seq_id, group, table.shape[0], positions)
         heads = torch.arange(positions.shape[0], device=self.device)
         src = table[positions].t()  # [B, Hkv]: head h's j-th token lives in slot src[j, h]
         k_new = self.k_cache[layer][src, heads]  # [B, Hkv, D] (a copy)
         v_new = self.v_cache[layer][src, heads]
-        # The first B slots of the view become the compacted rows; the rest are freed.
-        dst = table[: positions.shape[1]]
+        # The first B slots of the view become the compacted rows; the rest are freed
+        # (the device row's first B entries stay as they are).
+        n = positions.shape[1]
+        dst = table[:n]
         self.k_cache[layer][dst] = k_new
         self.v_cache[layer][dst] = v_new
-        self._replace(seq_id, group, list(range(positions.shape[1])))
+        self.pool.truncate_view(seq_id, group, n)
+        if self.tables is not None:
+            self.tables.truncate(seq_id, group, n)

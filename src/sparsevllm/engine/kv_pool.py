@@ -307,6 +307,12 @@ class KVPool:
             self.reclaimer.make_room(n - self.num_free)
         return self._alloc[0].allocate(n)
 
+    def truncate_view(self, seq_id: int, group: int, n: int) -> None:
+        """Keep the first `n` slots of a group's view; the rest return to the pool."""
+        table = self.tables[seq_id][group]
+        self.tables[seq_id][group] = table[:n]
+        self._alloc[group].free(table[n:])
+
     def replace_view(self, seq_id: int, group: int, keep: list[int]) -> list[int]:
         """Keep only the slots at positions `keep` (in that order) of a group's view.
 

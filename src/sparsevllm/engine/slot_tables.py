@@ -105,6 +105,22 @@ class DeviceSlotTables:
             self.table[group, row, : len(view)] = upload(view, torch.int32, self.device)
         self._synced[seq_id][group] = len(view)
 
+    def synced_view(self, seq_id: int, group: int) -> torch.Tensor | None:
+        """A sequence's view in a group as device slot ids `[L]` int32, when the device
+        row holds all of it (else None: entries not uploaded yet)."""
+        if seq_id not in self.row_of:
+            return None
+        n = len(self.pool.table(seq_id, group))
+        if self._synced[seq_id][group] != n:
+            return None
+        return self.table[group, self.row_of[seq_id], :n]
+
+    def truncate(self, seq_id: int, group: int, n: int) -> None:
+        """The pool kept a view's first `n` entries (`KVPool.truncate_view`): the row's
+        prefix is already right, only the synced length changes."""
+        if seq_id in self._synced:
+            self._synced[seq_id][group] = min(n, self._synced[seq_id][group])
+
     def invalidate(self, seq_id: int, group: int) -> None:
         """The pool rewrote a view (a sliding-window trim): upload all of it next sync,
         in the same scatter as the other sequences' new entries."""

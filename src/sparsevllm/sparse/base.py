@@ -315,9 +315,13 @@ class ScoreEviction(SparseMethod):
         return min(prompt_len, budget) + max_tokens
 
     def score(
-        self, layer: int, step: SeqStep, keys: torch.Tensor, attn: torch.Tensor | None
+        self, layer: int, step: SeqStep, kv: KVAccess, attn: torch.Tensor | None
     ) -> torch.Tensor:
-        """`[num_kv_heads, L]` importance of each resident token (higher is kept)."""
+        """`[num_kv_heads, L]` importance of each resident token (higher is kept).
+
+        `attn` is this layer's `[num_heads, L]` score rows of the step (None when the
+        method asked for none); a method that scores keys reads them itself
+        (`kv.keys(step.seq_id, layer)`), so the others pay no gather."""
         raise NotImplementedError
 
     def after_step(self, steps, scores, kv):  # noqa: D102 (documented on the base)
@@ -329,7 +333,7 @@ class ScoreEviction(SparseMethod):
                 if not self.should_compress(step, resident, layer):
                     continue
                 attn = scores.get(layer, [None] * (step.row + 1))[step.row]
-                s = self.score(layer, step, kv.keys(step.seq_id, layer), attn)
+                s = self.score(layer, step, kv, attn)
                 keep = select_keep(
                     s,
                     self.layer_budget(layer),

@@ -57,7 +57,7 @@ class H2O(ScoreEviction):
                     acc[layer] = _add_padded(acc.get(layer), votes)
         super().after_step(steps, scores, kv)
 
-    def score(self, layer, step, keys, attn):
+    def score(self, layer, step, kv, attn):
         return self._acc[step.seq_id][layer]
 
     def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:

@@ -13,6 +13,6 @@ from sparsevllm.sparse.base import ScoreEviction
 class KNorm(ScoreEviction):
     name = "knorm"
 
-    def score(self, layer, step, keys, attn):
-        # keys: [L, Hkv, D] -> [Hkv, L]; a lower norm is more important.
-        return -keys.float().norm(dim=-1).t()
+    def score(self, layer, step, kv, attn):
+        keys = kv.keys(step.seq_id, layer)  # [L, Hkv, D]
+        return -keys.float().norm(dim=-1).t()  # [Hkv, L]: a lower norm is more important

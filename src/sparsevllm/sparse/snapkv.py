@@ -45,7 +45,7 @@ class SnapKV(ScoreEviction):
             if step.finishes_prompt:
                 self._window.pop(step.seq_id, None)
 
-    def score(self, layer, step, keys, attn):
+    def score(self, layer, step, kv, attn):
         window = self._window[step.seq_id][layer]  # [num_heads, L]
         return snapkv_scores(window, self.num_kv_heads, self.config.snapkv_pool_kernel_size)
 
