@@ -87,19 +87,21 @@ PY
       done ;;
     overlap)
       # Issue 4: SnapKV's host time per step at batch 128, overlapped scheduling off / on.
-      for a in "" "--async-scheduling"; do
+      for a in sync async; do
         python -m sparsevllm.bench.profile_step --prompt-len 4096 --batch-size 128 --steps 6 \
-           --sparse-method snapkv --decode-keep-tokens 2048 --cprofile 4 $a \
-           --json "$OUT/profile_snapkv_b128${a:+_async}.json" | tail -2
+           --sparse-method snapkv --decode-keep-tokens 2048 --cprofile 4 \
+           $([ $a = sync ] && echo --no-async-scheduling || echo --async-scheduling) \
+           --json "$OUT/profile_snapkv_b128_$a.json" | tail -2
       done ;;
     layout)
-      # Issue 4: dense decode at 64 x 8K: the KV slot layout (shuffled, the CUDA default,
-      # vs sequential slots) and overlapped scheduling, same run otherwise.
-      for v in "shuffled" "sequential" "shuffled --async-scheduling"; do
-        set -- $v
-        $M --prompt-len 8192 --output-len 64 --batch-size 64 --max-model-len 8448 \
-           --kv-slot-order "$@" --json "$OUT/dense_b64_8k_slots_$1${2:+_async}.json" \
-           | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
+      # Issue 4: dense decode at 64 x 8K: the KV slot layout (sequential, the default, vs
+      # shuffled slots), without and with overlapped scheduling (the CUDA default).
+      for o in sequential shuffled; do
+        for a in no-async async; do
+          $M --prompt-len 8192 --output-len 64 --batch-size 64 --max-model-len 8448 \
+             --kv-slot-order $o --$a-scheduling --json "$OUT/dense_b64_8k_slots_${o}_$a.json" \
+             | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
+        done
       done ;;
     prefill32k)
       # Issue 4: a 32K prompt's prefill against HF (SDPA attention + the same matmuls).
@@ -128,7 +130,7 @@ PY
          --json "$OUT/dense_b64_8k.json" | tail -3 ;;
     long)
       # Issue 4: SnapKV at its largest batch vs vanilla at its own, 32K prompts; LONG_FLAGS
-      # go to both (e.g. --async-scheduling), SNAP_SEQS caps SnapKV's batch.
+      # go to both (e.g. --kv-slot-order shuffled), SNAP_SEQS caps SnapKV's batch.
       $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --max-batch \
          ${LONG_FLAGS:-} --json "$OUT/vanilla_32k_maxbatch.json" | tail -3
       $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --max-batch \

@@ -47,8 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode")
     p.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="launch the next decode step before the current one's tokens reach the host",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch the next decode step before the current one's tokens reach the host "
+        "(default: the engine's, on with CUDA)",
     )
     p.add_argument("--rows", type=int, default=25, help="kernels shown in the table")
     p.add_argument(
@@ -126,7 +128,7 @@ def timed_steps(llm: LLM, n: int) -> list[float]:
     """Wall time of `n` steps, each since the previous one returned. With overlapped
     scheduling a step returns while the next one runs on the device, so no
     synchronisation between steps (it would serialise host and device again)."""
-    sync_each_step = not llm.engine.config.async_scheduling
+    sync_each_step = not llm.engine.async_scheduling
     times = []
     torch.cuda.synchronize()
     last = time.perf_counter()
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_step needs a CUDA GPU")
     llm = build(args)
+    args.async_scheduling = llm.engine.async_scheduling  # as resolved (unset: on)
     prefill = start_decoding(llm, args)
     step_ms = statistics.median(timed_steps(llm, args.steps)) * 1e3
     phases = host_phases(llm, args.steps)

@@ -74,7 +74,7 @@ def _drain(engine, device: torch.device) -> tuple[list, float, list[float], list
     soon as the tokens of the step before are on the host while the next one already
     runs, so a synchronisation here would serialise host and device again: the time
     between returns is then the steady-state step period."""
-    sync_each_step = not engine.config.async_scheduling
+    sync_each_step = not engine.async_scheduling
     decode_times: list[float] = []
     kv_layer_slots: list[int] = []  # resident slots summed over layers, per decode step
     outputs = []
@@ -178,11 +178,8 @@ def measure(
         "prefill_policy": engine.prefill_policy,
         "chunk_prefill_size": llm.config.chunk_prefill_size,
         "cuda_graphs": runner.graphs is not None,
-        "async_scheduling": llm.config.async_scheduling,
-        "kv_slots_shuffled": shuffle_seed(
-            llm.config.kv_slot_order, runner.device.type, llm.config.seed
-        )
-        is not None,
+        "async_scheduling": engine.async_scheduling,
+        "kv_slots_shuffled": shuffle_seed(llm.config.kv_slot_order, llm.config.seed) is not None,
         "prompt_len": prompt_len,
         "output_len": args.output_len,
         "batch_size": batch,

@@ -43,7 +43,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.source, self.max_model_len)
         self.method = self.runner.method
         groups, window_groups = self.runner.pool_groups()
-        seed = shuffle_seed(config.kv_slot_order, self.runner.device.type, config.seed)
+        seed = shuffle_seed(config.kv_slot_order, config.seed)
         self.pool = KVPool(
             self.runner.num_slots, self.runner.num_layers, groups, window_groups, seed
         )
@@ -90,7 +90,9 @@ class LLMEngine:
         self._by_request: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.num_generated_tokens = 0
-        self._overlap = OverlapStepper(self) if self.config.async_scheduling else None
+        overlap = self.config.async_scheduling
+        self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._overlap = OverlapStepper(self) if self.async_scheduling else None
 
     def _resolve_max_model_len(self) -> int:
         limit = getattr(self.source.hf_config, "max_position_embeddings", None)

@@ -30,11 +30,8 @@ class PoolExhausted(RuntimeError):
     """Raised when an allocation asks for more slots than are free."""
 
 
-def shuffle_seed(order: str, device_type: str, seed: int) -> int | None:
-    """KVPool's `shuffle_seed` for EngineConfig.kv_slot_order (auto: shuffled on CUDA,
-    where decode attention read contiguous views slower than permuted ones)."""
-    if order == "auto":
-        order = "shuffled" if device_type == "cuda" else "sequential"
+def shuffle_seed(order: str, seed: int) -> int | None:
+    """KVPool's `shuffle_seed` for EngineConfig.kv_slot_order."""
     return seed if order == "shuffled" else None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.upload import upload
 
 # A chain's KV off the device: resident rows per group, and per layer (K, V) `[n, Hkv, D]`.
 Rows = tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]
@@ -23,10 +24,10 @@ def gather_rows(
 ) -> Rows:
     """Copy `owner`'s K/V rows to the host, in view order (its slots stay allocated)."""
     counts = [pool.num_resident(owner, g) for g in range(pool.num_groups)]
+    index = _group_slots(pool, owner, k_cache[0].device)
     layers_kv = []
     for layer in range(len(k_cache)):
-        g = pool.group_of_layer[layer]
-        slots = torch.tensor(pool.table(owner, g), device=k_cache[layer].device)
+        slots = index[pool.group_of_layer[layer]]
         layers_kv.append((to_host(k_cache[layer][slots], pin), to_host(v_cache[layer][slots], pin)))
     if k_cache[0].is_cuda:
         torch.cuda.synchronize(k_cache[0].device)  # the copies must land before reuse
@@ -39,11 +40,17 @@ def scatter_rows(
     """Give `owner` new slots and copy the rows back in the same order."""
     counts, layers_kv = rows
     pool.append_per_group(owner, counts)
+    index = _group_slots(pool, owner, k_cache[0].device)
     for layer, (k, v) in enumerate(layers_kv):
-        g = pool.group_of_layer[layer]
-        slots = torch.tensor(pool.table(owner, g), device=k_cache[layer].device)
+        slots = index[pool.group_of_layer[layer]]
         k_cache[layer][slots] = k.to(k_cache[layer].device)
         v_cache[layer][slots] = v.to(v_cache[layer].device)
+
+
+def _group_slots(pool: KVPool, owner: int, device: torch.device) -> list[torch.Tensor]:
+    """`owner`'s view per group as device slot ids (one conversion per group, not per
+    layer: a group may hold every layer)."""
+    return [upload(pool.table(owner, g), torch.long, device) for g in range(pool.num_groups)]
 
 
 def rows_nbytes(rows: Rows) -> int:

@@ -29,6 +29,7 @@ import torch
 
 from sparsevllm.engine.chain_cache import Chain, ChainBusyError, ChainCache
 from sparsevllm.engine.prune_select import PRUNE_METHODS, combine, score_entries, select_keep
+from sparsevllm.upload import upload
 
 
 class CacheEntryNotFound(LookupError):
@@ -229,8 +230,8 @@ def _prune_prefix(
     _check_unlocked(path, ranges)
     slots, logical = cache.view(node)
     device = runner.k_cache[0].device
-    index = torch.tensor(slots, dtype=torch.long, device=device)
-    positions = torch.tensor(logical, dtype=torch.int32, device=device)
+    index = upload(slots, torch.long, device)
+    positions = upload(logical, torch.int32, device)
     positions = positions.expand(runner.num_kv_heads, -1)  # [Hkv, L]: shared by all heads
     scores = [
         score_entries(

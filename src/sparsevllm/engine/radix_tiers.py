@@ -35,6 +35,7 @@ from sparsevllm.engine.disk_offload import DiskStore, SavedChain, kv_fingerprint
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.offload import to_host
 from sparsevllm.engine.prefix_cache import RadixCache, _Node
+from sparsevllm.upload import upload
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ NodeRows = list[tuple[torch.Tensor, torch.Tensor]]
 def gather_slots(runner: Any, slots: list[int], pin: bool) -> NodeRows:
     """Host copies of every layer's K/V rows at `slots` (in that order)."""
     k_cache, v_cache = runner.k_cache, runner.v_cache
-    index = torch.tensor(slots, dtype=torch.long, device=k_cache[0].device)
+    index = upload(slots, torch.long, k_cache[0].device)
     rows = [(to_host(k[index], pin), to_host(v[index], pin)) for k, v in zip(k_cache, v_cache)]
     if k_cache[0].is_cuda:
         torch.cuda.synchronize(k_cache[0].device)  # the copies must land before reuse
@@ -55,7 +56,7 @@ def gather_slots(runner: Any, slots: list[int], pin: bool) -> NodeRows:
 def scatter_slots(runner: Any, slots: list[int], rows: NodeRows) -> None:
     """Write `rows` back to every layer's K/V at `slots`."""
     k_cache, v_cache = runner.k_cache, runner.v_cache
-    index = torch.tensor(slots, dtype=torch.long, device=k_cache[0].device)
+    index = upload(slots, torch.long, k_cache[0].device)
     for (k, v), k_dst, v_dst in zip(rows, k_cache, v_cache):
         k_dst[index] = k.to(k_dst.device)
         v_dst[index] = v.to(v_dst.device)
