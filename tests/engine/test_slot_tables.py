@@ -107,3 +107,40 @@ def test_truncated_views_keep_their_device_prefix():
     t.sync([5])
     assert t.synced_view(5, 1).tolist() == pool.table(5, 1)
     assert pool.used_per_layer() == [12, 6]
+
+
+def test_chunk_entries_written_on_the_device_match_the_full_upload():
+    """A step with prefill chunks: sequences whose every view grew by their chunk are
+    written from the slot mapping (write_new); the table equals the one sync alone
+    uploads, including a sequence whose view was rewritten (uploaded as before)."""
+    tables = {}
+    for deferring in (False, True):
+        pool = KVPool(96, 2, [[0], [1]])
+        t = DeviceSlotTables(pool, 4, 32, CPU)
+        _grow(pool, [(0, 6), (1, 5)])
+        t.sync([0, 1])
+        pool.replace_view(1, 1, keep=[1, 3])
+        t.invalidate(1, 1)  # rewritten: uploaded whole at the next sync
+        counts = [4, 7, 9]  # a chunk for each: 0 and 1 continue, 2 is a new prompt
+        _grow(pool, list(zip([0, 1, 2], counts)))
+        seq_ids = [0, 1, 2]
+        lens = [[len(view) for view in pool.tables[s]] for s in seq_ids]
+        if not deferring:
+            assert t.sync(seq_ids) == []
+        else:
+            assert t.sync(seq_ids, lens, counts) == [0, 2]
+            rows = torch.tensor([t.row(s) for s in seq_ids])
+            slots = [
+                view[g][-n:]
+                for g in range(2)
+                for view, n in zip((pool.tables[s] for s in seq_ids), counts)
+            ]
+            mapping = torch.tensor([x for part in slots for x in part]).view(2, -1)  # [G, T]
+            q_starts = torch.tensor([0, 4, 11, 20])
+            t.write_new(rows, torch.tensor(lens).t(), mapping, q_starts)
+        tables[deferring] = t.table.clone()
+        for s in seq_ids:
+            for g in range(2):
+                view = pool.table(s, g)
+                assert t.table[g, t.row(s), : len(view)].tolist() == view
+    assert torch.equal(tables[False], tables[True])

@@ -333,9 +333,11 @@ class ModelRunner:
             slot_mapping = t_slots.view(groups, len(ids))  # [G, T]
             view_lens_t = t_lens.view(groups, num_seqs).int()  # [G, S]
         rows_t = t_rows.int()
-        if deferred:  # the slot-table entries sync left to the device
+        if deferred and seq_major:  # the slot-table entries sync left to the device
             which = None if len(deferred) == num_seqs else upload(deferred, torch.long, self.device)
             self.tables.write_newest(rows_t, view_lens_t, slot_mapping, which)
+        elif deferred:
+            self.tables.write_new(rows_t, view_lens_t, slot_mapping, t_qs)
         batch = ForwardBatch(
             positions=t_pos,
             q_starts=q_starts[:-1],
@@ -369,21 +371,20 @@ class ModelRunner:
         flat for the upload, group-major ([G][T], [G][S]) or, in steps of one new token
         per sequence, seq-major ([S][G] both: one C-level pass per sequence, as there
         may be a group per layer); `view_lens` the host lists [G][S]; `deferred` the
-        sequences whose newest entries the device writes (DeviceSlotTables.sync)."""
+        sequences whose new entries the device writes from the slot mapping
+        (DeviceSlotTables.sync: the upload would repeat the mapping once more)."""
         views = [pool.tables[i] for i in seq_ids]
         counts = [s.num_new_tokens for s in sched.scheduled]
+        lens_by_seq = [list(map(len, v)) for v in views]
+        view_lens = [list(col) for col in zip(*lens_by_seq)]
         if counts and all(n == 1 for n in counts):
-            lens_by_seq = [list(map(len, v)) for v in views]
             newest = [list(map(_LAST, v)) for v in views]
-            view_lens = [list(col) for col in zip(*lens_by_seq)]
             deferred = self.tables.sync(seq_ids, lens_by_seq)
             slots, lens = chain.from_iterable(newest), chain.from_iterable(lens_by_seq)
             return list(slots), list(lens), view_lens, True, deferred
-        self.tables.sync(seq_ids)
-        slots, view_lens = [], []
+        deferred = self.tables.sync(seq_ids, lens_by_seq, counts)
+        slots = []
         for g in range(pool.num_groups):
-            tables = [v[g] for v in views]
-            view_lens.append([len(t) for t in tables])
-            for t, n in zip(tables, counts):
-                slots.extend(t[-n:])
-        return slots, list(chain.from_iterable(view_lens)), view_lens, False, []
+            for v, n in zip(views, counts):
+                slots.extend(v[g][-n:])
+        return slots, list(chain.from_iterable(view_lens)), view_lens, False, deferred

@@ -41,14 +41,20 @@ class DeviceSlotTables:
         """Take a row out of circulation (the CUDA-graph padding row)."""
         self._free_rows.remove(row)
 
-    def sync(self, seq_ids: list[int], lens_by_seq: list[list[int]] | None = None) -> list[int]:
+    def sync(
+        self,
+        seq_ids: list[int],
+        lens_by_seq: list[list[int]] | None = None,
+        num_new: list[int] | None = None,
+    ) -> list[int]:
         """Upload the entries the pool appended since the last sync, in one scatter.
 
         With `lens_by_seq` (each sequence's current view length per group, as the caller
-        computed them anyway), sequences whose every view grew by exactly one entry (a
-        decode step) are left out of the upload: their indices into `seq_ids` are
-        returned, and the caller writes their newest entries on the device from tensors
-        it uploads anyway (`write_newest`)."""
+        computed them anyway), sequences whose every view grew by exactly their step's
+        new tokens (`num_new`, default one: a decode step) are left out of the upload:
+        their indices into `seq_ids` are returned, and the caller writes those entries
+        on the device from the slot mapping it uploads anyway (`write_newest`,
+        `write_new`)."""
         flat_index: list[int] = []
         values: list[int] = []
         deferred: list[int] = []
@@ -63,13 +69,14 @@ class DeviceSlotTables:
             tables = self.pool.tables[seq_id]
             lens = list(map(len, tables)) if lens_by_seq is None else lens_by_seq[i]
             grew = list(map(operator.sub, lens, synced))
-            if grew.count(1) == num_groups:
-                if lens_by_seq is not None:
-                    deferred.append(i)
-                else:
-                    bases = range(row_base, row_base + num_groups * group_stride, group_stride)
-                    flat_index.extend(map(operator.add, bases, synced))
-                    values.extend(map(operator.getitem, tables, synced))
+            # The row's first `synced` entries are right, so a view that grew by exactly
+            # the step's new tokens is complete once the device writes those.
+            if lens_by_seq is not None and grew.count(num_new[i] if num_new else 1) == num_groups:
+                deferred.append(i)
+            elif grew.count(1) == num_groups:
+                bases = range(row_base, row_base + num_groups * group_stride, group_stride)
+                flat_index.extend(map(operator.add, bases, synced))
+                values.extend(map(operator.getitem, tables, synced))
             elif any(grew):
                 if min(grew) < 0:
                     raise RuntimeError("slot table shrank without a rewrite")
@@ -96,6 +103,26 @@ class DeviceSlotTables:
             rows, view_lens, slots = rows[which], view_lens[:, which], slots[:, which]
         groups = torch.arange(view_lens.shape[0], device=rows.device).unsqueeze(1)  # [G, 1]
         self.table[groups, rows.long().unsqueeze(0), view_lens.long() - 1] = slots.int()
+
+    def write_new(
+        self,
+        rows: torch.Tensor,  # [S] table row of each sequence
+        view_lens: torch.Tensor,  # [G, S] view lengths after the step
+        slots: torch.Tensor,  # [G, T] slot of each new token per group, sequence-major
+        q_starts: torch.Tensor,  # [S + 1] first token of each sequence, then T
+    ) -> None:
+        """Write every sequence's new entries per group from the step's slot mapping (for
+        `sync`'s deferred sequences; the others' rows get the same values): the last n_s
+        entries of sequence s's view are the slots of its n_s new tokens. One scatter."""
+        num_seqs, num_tokens = rows.shape[0], slots.shape[1]
+        ends = q_starts[1:]  # [S]
+        seq = torch.repeat_interleave(
+            torch.arange(num_seqs, device=rows.device), ends - q_starts[:-1], output_size=num_tokens
+        )  # [T] the sequence of each token
+        token = torch.arange(num_tokens, device=rows.device)
+        pos = view_lens[:, seq] - (ends[seq] - token)  # [G, T] view position of each token
+        groups = torch.arange(slots.shape[0], device=rows.device).unsqueeze(1)  # [G, 1]
+        self.table[groups, rows[seq].long().unsqueeze(0), pos.long()] = slots.int()
 
     def rewrite(self, seq_id: int, group: int) -> None:
         """Replace a row after an eviction changed the view."""
