@@ -37,7 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name.startswith("_"):
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{FIELD_HELP[f.name]} (default: {f.default})"
+        default = "unset" if f.default is None else f.default
+        help_text = f"{FIELD_HELP[f.name]} (default: {default})"
         type_name = str(f.type)  # a string under `from __future__ import annotations`
         if "bool" in type_name:
             group.add_argument(

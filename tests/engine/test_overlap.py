@@ -160,3 +160,13 @@ def test_sliding_window_layers(tmp_path, caching):
     assert runs[0] == runs[1]
     ahead = llm.engine._overlap.num_steps_ahead
     assert ahead == 0 if caching else ahead > 5
+
+
+def test_overlap_defaults_to_the_device(tiny_model_factory) -> None:
+    """Unset, async_scheduling follows the device (off on CPU, where the host computes
+    the step itself); set, it is obeyed; anything but a bool is refused."""
+    model = tiny_model_factory("llama")
+    assert LLM(model, dtype="float32").engine.async_scheduling is False
+    assert LLM(model, dtype="float32", async_scheduling=True).engine.async_scheduling is True
+    with pytest.raises((TypeError, ValueError), match="async_scheduling"):
+        LLM(model, async_scheduling="yes")

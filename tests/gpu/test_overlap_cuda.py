@@ -22,8 +22,11 @@ KNOBS = {m: METHOD_KNOBS[m] for m in ("vanilla", "snapkv", "quest", "omnikv")}
 def test_step_ahead_launches_without_host_sync(tiny_model_factory, method, monkeypatch):
     model = tiny_model_factory("llama4")
     kwargs = dict(dtype="float32", kv_cache_memory_gb=1, sparse_method=method, **KNOBS[method])
-    want = LLM(model, device="cuda", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
-    llm = LLM(model, device="cuda", async_scheduling=True, **kwargs)
+    plain = LLM(model, device="cuda", async_scheduling=False, **kwargs)
+    want = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    del plain
+    llm = LLM(model, device="cuda", **kwargs)  # overlapped: the default on CUDA
+    assert llm.engine.async_scheduling
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # compiles the kernels, captures graphs
     original = OverlapStepper._schedule_next
 

@@ -374,6 +374,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         st = self.scheduler.stats
+        chains = self.chains.reclaimable_slots if self.chains else 0
         return {
             "kv_slots_total": self.pool.num_slots,
             "kv_slots_used": self.pool.num_used,
@@ -385,13 +386,7 @@ class LLMEngine:
             "num_decode_tokens_computed": st.num_decode_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,
             "num_cached_prompt_tokens": st.num_cached_prompt_tokens,
-            "kv_slots_cached": (
-                self.prefix_cache.num_cached_slots
-                if self.prefix_cache
-                else self.chains.reclaimable_slots
-                if self.chains
-                else 0
-            ),
+            "kv_slots_cached": self.prefix_cache.num_cached_slots if self.prefix_cache else chains,
             "num_idle_chains": (
                 sum(not c.busy for c in self.chains.chains.values()) if self.chains else 0
             ),
