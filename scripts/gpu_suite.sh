@@ -117,6 +117,13 @@ PY
          --sparse-method quest --decode-keep-tokens 2048 --json "$OUT/profile_quest.json" | tail -4
       python -m sparsevllm.bench.profile_step --prompt-len 4096 --batch-size 128 --steps 6 \
          --sparse-method snapkv --decode-keep-tokens 2048 --json "$OUT/profile_snapkv.json" | tail -4
+      # Quest at batch 1 (sweep: ~4 ms per step at any context): the page table's width
+      # (max_model_len / page size) against the same context with a narrow table.
+      for len in 34816 131072; do
+        python -m sparsevllm.bench.profile_step --prompt-len 32768 --batch-size 1 --steps 6 \
+           --max-model-len $len --sparse-method quest --decode-keep-tokens 2048 \
+           --json "$OUT/profile_quest_b1_mml$len.json" | tail -2
+      done
       # SnapKV's prefill ran at 2/3 of vanilla's speed at 32K: where does it go?
       for m in vanilla snapkv; do
         python -m sparsevllm.bench.profile_step --prompt-len 32768 --batch-size 4 --steps 4 \

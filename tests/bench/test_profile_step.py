@@ -52,3 +52,8 @@ def test_profile_step_refuses_a_batch_that_does_not_fit(as_if_cuda, monkeypatch)
     monkeypatch.setattr(profile_step, "MAX_TOKENS", 2)  # the first sequences finish early
     with pytest.raises(SystemExit, match="decode together"):
         profile_step.main(["--prompt-len", "40", "--batch-size", "3", "--steps", "2"])
+
+
+def test_profile_step_refuses_a_max_model_len_below_the_requests(as_if_cuda):
+    with pytest.raises(SystemExit, match="--max-model-len must be at least"):
+        profile_step.main(["--prompt-len", "40", "--batch-size", "2", "--max-model-len", "64"])

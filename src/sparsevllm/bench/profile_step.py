@@ -41,6 +41,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--prompt-len", type=int, default=8192, help="tokens per prompt")
     p.add_argument("--batch-size", type=int, default=24, help="sequences decoding together")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's max_model_len (default: just the prompt and the steps; it sizes "
+        "per-row tables such as Quest's pages)",
+    )
     p.add_argument("--steps", type=int, default=8, help="decode steps timed and profiled")
     p.add_argument("--sparse-method", default="vanilla", help="registered method name")
     p.add_argument("--decode-keep-tokens", type=int, default=None, help="method budget")
@@ -72,9 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace) -> LLM:
+    if args.max_model_len is not None and args.max_model_len < args.prompt_len + MAX_TOKENS:
+        raise SystemExit(
+            f"--max-model-len must be at least --prompt-len + {MAX_TOKENS} (the requests' "
+            f"max_tokens): {args.prompt_len + MAX_TOKENS}"
+        )
     kwargs: dict[str, Any] = dict(
         load_format="dummy",
-        max_model_len=args.prompt_len + MAX_TOKENS,
+        max_model_len=args.max_model_len or args.prompt_len + MAX_TOKENS,
         max_num_seqs=args.batch_size,
         sparse_method=args.sparse_method,
         enforce_eager=args.enforce_eager,
