@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -63,6 +64,21 @@ class RunningServer:
         self.thread.join(60)
         assert not self.thread.is_alive(), "the server did not shut down"
         assert not self.engine.is_alive, "the engine worker did not stop"
+
+
+def hang_up_mid_stream(server: RunningServer, body: dict[str, Any], events: int) -> None:
+    """POST a streaming completion and close the connection after `events` data events
+    (all of them unfinished)."""
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            seen = 0
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
+                    seen += 1
+                    if seen == events:
+                        return
 
 
 def start_server(config: EngineConfig, **kwargs: Any) -> RunningServer:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 
-from .conftest import TINY_NAME, RunningServer
+from .conftest import TINY_NAME, RunningServer, hang_up_mid_stream
 
 ABORTED = 'sparsevllm:request_success_total{finished_reason="abort"}'
 GENERATED = "sparsevllm:generation_tokens_total"
@@ -64,16 +63,7 @@ def test_stream_disconnect_aborts_and_frees_kv_slots(tiny_server: RunningServer)
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", tiny_server.url + "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            events = 0
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
-                    events += 1
-                    if events == 3:
-                        break  # hang up mid-stream
+    hang_up_mid_stream(tiny_server, body, events=3)
     after = tiny_server.wait_idle()
     assert after[ABORTED] == before[ABORTED] + 1
     assert after["sparsevllm:kv_slots_used"] == 0

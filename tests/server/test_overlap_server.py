@@ -5,12 +5,10 @@ hanging up mid-stream still aborts and frees its KV."""
 from __future__ import annotations
 
 import asyncio
-import json
 
-import httpx
 import pytest
 
-from .conftest import TINY_NAME, RunningServer, start_server, tiny_config
+from .conftest import TINY_NAME, RunningServer, hang_up_mid_stream, start_server, tiny_config
 
 ABORTED = 'sparsevllm:request_success_total{finished_reason="abort"}'
 
@@ -69,16 +67,7 @@ def test_overlapped_stream_disconnect_aborts_and_frees_kv(overlapped_server):
     before = overlapped_server.wait_idle()
     body = {"model": TINY_NAME, "prompt": "w1 w2", "max_tokens": 400, "stream": True}
     body["ignore_eos"] = True
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", overlapped_server.url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            events = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
-                    events += 1
-                    if events == 4:
-                        break  # hang up while steps are launched ahead
+    hang_up_mid_stream(overlapped_server, body, events=4)  # while steps run ahead
     after = overlapped_server.wait_idle()
     assert after[ABORTED] == before[ABORTED] + 1
     assert after["sparsevllm:kv_slots_used"] == 0
