@@ -34,7 +34,7 @@ def _grow(pool: KVPool, steps: list[tuple[int, int]]) -> None:
 
 def test_deferred_newest_entries_match_the_full_upload():
     """A decode step: sequences whose every group grew by one are written on the device
-    (write_newest) and the table equals the one sync alone uploads; the others (a fresh
+    (write_new) and the table equals the one sync alone uploads; the others (a fresh
     prompt, a rewritten view) still go through the upload."""
     tables = {}
     for deferring in (False, True):
@@ -55,7 +55,7 @@ def test_deferred_newest_entries_match_the_full_upload():
             rows = torch.tensor([t.row(s) for s in seq_ids])
             view_lens = torch.tensor(lens).t()  # [G, S]
             newest = torch.tensor([[view[-1] for view in pool.tables[s]] for s in seq_ids]).t()
-            t.write_newest(rows, view_lens, newest, torch.tensor(deferred))
+            t.write_new(rows, view_lens, newest)
         tables[deferring] = t.table.clone()
         for s in seq_ids:  # the device rows hold the pool's views
             for g in range(3):

@@ -333,11 +333,8 @@ class ModelRunner:
             slot_mapping = t_slots.view(groups, len(ids))  # [G, T]
             view_lens_t = t_lens.view(groups, num_seqs).int()  # [G, S]
         rows_t = t_rows.int()
-        if deferred and seq_major:  # the slot-table entries sync left to the device
-            which = None if len(deferred) == num_seqs else upload(deferred, torch.long, self.device)
-            self.tables.write_newest(rows_t, view_lens_t, slot_mapping, which)
-        elif deferred:
-            self.tables.write_new(rows_t, view_lens_t, slot_mapping, t_qs)
+        if deferred:  # the slot-table entries sync left to the device
+            self.tables.write_new(rows_t, view_lens_t, slot_mapping, None if seq_major else t_qs)
         batch = ForwardBatch(
             positions=t_pos,
             q_starts=q_starts[:-1],

@@ -53,16 +53,15 @@ class DeviceSlotTables:
         computed them anyway), sequences whose every view grew by exactly their step's
         new tokens (`num_new`, default one: a decode step) are left out of the upload:
         their indices into `seq_ids` are returned, and the caller writes those entries
-        on the device from the slot mapping it uploads anyway (`write_newest`,
-        `write_new`)."""
+        on the device from the slot mapping it uploads anyway (`write_new`)."""
         flat_index: list[int] = []
         values: list[int] = []
         deferred: list[int] = []
         group_stride = self.table.shape[1] * self.max_len
         num_groups = self.pool.num_groups
         # Runs for num_seqs x num_groups views per step (one group per layer for
-        # eviction methods), so the common case (every group grew by one entry, a
-        # decode step) is done with C-level map()s instead of a Python loop per group.
+        # eviction methods), so the common case (every view grew by the step's tokens,
+        # written by the device) is decided with C-level map()s, not a loop per group.
         for i, seq_id in enumerate(seq_ids):
             row_base = self.row(seq_id) * self.max_len
             synced = self._synced[seq_id]
@@ -73,10 +72,6 @@ class DeviceSlotTables:
             # the step's new tokens is complete once the device writes those.
             if lens_by_seq is not None and grew.count(num_new[i] if num_new else 1) == num_groups:
                 deferred.append(i)
-            elif grew.count(1) == num_groups:
-                bases = range(row_base, row_base + num_groups * group_stride, group_stride)
-                flat_index.extend(map(operator.add, bases, synced))
-                values.extend(map(operator.getitem, tables, synced))
             elif any(grew):
                 if min(grew) < 0:
                     raise RuntimeError("slot table shrank without a rewrite")
@@ -90,30 +85,21 @@ class DeviceSlotTables:
             self.table.view(-1).index_copy_(0, index, upload(values, torch.int32, self.device))
         return deferred
 
-    def write_newest(
-        self,
-        rows: torch.Tensor,  # [S] table row of each sequence
-        view_lens: torch.Tensor,  # [G, S] view lengths after the step
-        slots: torch.Tensor,  # [G, S] slot of each sequence's newest entry per group
-        which: torch.Tensor | None = None,  # [R] the sequences to write (None: all)
-    ) -> None:
-        """Write each sequence's newest entry per group (`sync`'s deferred sequences):
-        `table[g, rows[s], view_lens[g, s] - 1] = slots[g, s]`, one device scatter."""
-        if which is not None:
-            rows, view_lens, slots = rows[which], view_lens[:, which], slots[:, which]
-        groups = torch.arange(view_lens.shape[0], device=rows.device).unsqueeze(1)  # [G, 1]
-        self.table[groups, rows.long().unsqueeze(0), view_lens.long() - 1] = slots.int()
-
     def write_new(
         self,
         rows: torch.Tensor,  # [S] table row of each sequence
         view_lens: torch.Tensor,  # [G, S] view lengths after the step
         slots: torch.Tensor,  # [G, T] slot of each new token per group, sequence-major
-        q_starts: torch.Tensor,  # [S + 1] first token of each sequence, then T
+        q_starts: torch.Tensor | None = None,  # [S + 1] first token of each sequence, then T
     ) -> None:
         """Write every sequence's new entries per group from the step's slot mapping (for
         `sync`'s deferred sequences; the others' rows get the same values): the last n_s
-        entries of sequence s's view are the slots of its n_s new tokens. One scatter."""
+        entries of sequence s's view are the slots of its n_s new tokens. One scatter.
+        `q_starts=None`: one new token per sequence (a decode step, T = S)."""
+        groups = torch.arange(slots.shape[0], device=rows.device).unsqueeze(1)  # [G, 1]
+        if q_starts is None:
+            self.table[groups, rows.long().unsqueeze(0), view_lens.long() - 1] = slots.int()
+            return
         num_seqs, num_tokens = rows.shape[0], slots.shape[1]
         ends = q_starts[1:]  # [S]
         seq = torch.repeat_interleave(
@@ -121,7 +107,6 @@ class DeviceSlotTables:
         )  # [T] the sequence of each token
         token = torch.arange(num_tokens, device=rows.device)
         pos = view_lens[:, seq] - (ends[seq] - token)  # [G, T] view position of each token
-        groups = torch.arange(slots.shape[0], device=rows.device).unsqueeze(1)  # [G, 1]
         self.table[groups, rows[seq].long().unsqueeze(0), pos.long()] = slots.int()
 
     def rewrite(self, seq_id: int, group: int) -> None:
