@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -11,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from sparsevllm.config import FIELD_HELP, EngineConfig
+from sparsevllm.engine_args import add_engine_args, engine_config_from_args
 
 _SAMPLING_FLAGS: list[tuple[str, type, Any, str]] = [
     ("max_tokens", int, 128, "Most tokens to generate per prompt."),
@@ -25,42 +24,6 @@ _SAMPLING_FLAGS: list[tuple[str, type, Any, str]] = [
     ("sampling_seed", int, None, "Per-request sampling seed (reproducible sampling)."),
     ("logprobs", int, None, "Return the log-probabilities of the top-N tokens per step."),
 ]
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, same name in kebab-case."""
-    group = parser.add_argument_group("engine (EngineConfig fields)")
-    group.add_argument(
-        "--config", metavar="FILE", help="JSON file of engine settings; flags override it."
-    )
-    for f in dataclasses.fields(EngineConfig):
-        if f.name.startswith("_"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = "unset" if f.default is None else f.default
-        help_text = f"{FIELD_HELP[f.name]} (default: {default})"
-        type_name = str(f.type)  # a string under `from __future__ import annotations`
-        if "bool" in type_name:
-            group.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-            continue
-        if "tuple" in type_name:
-            kind = str  # comma-separated list, parsed by EngineConfig
-        else:
-            kind = int if "int" in type_name else float if "float" in type_name else str
-        group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    names = EngineConfig.field_names()
-    given = {k: v for k, v in vars(args).items() if k in names}
-    if getattr(args, "config", None):
-        return EngineConfig.from_json(args.config, **given)
-    return EngineConfig.from_dict(given)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

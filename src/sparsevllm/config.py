@@ -9,9 +9,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sparsevllm.sparse.registry import (
+    all_knob_names,
+    canonical_method_name,
+    method_spec,
+    resolve_prefill_policy,
+    validate_knobs,
+)
+from sparsevllm.sparse.spec import SHARED_DEFAULTS, MethodKnobs, NoKnobs
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
@@ -67,29 +77,15 @@ FIELD_HELP: dict[str, str] = {
     "recent_keep_tokens": "Sparse methods: most recent tokens always kept.",
     "decode_keep_tokens": "Sparse methods: KV budget per layer (tokens kept or read), "
     "sink and recent included.",
-    "snapkv_window_size": "SnapKV/PyramidKV: number of last prompt queries that score tokens.",
-    "snapkv_pool_kernel_size": "SnapKV/PyramidKV: max-pooling kernel over scores (1: none).",
-    "pyramidkv_beta": "PyramidKV: the top layer keeps decode_keep_tokens / beta of the mean "
-    "budget's share; budgets fall linearly from the bottom layer.",
-    "h2o_decode_budget": "H2O: tokens kept after each eviction burst (default: "
-    "decode_keep_tokens).",
-    "h2o_decode_eviction_interval": "H2O: evict once this many tokens above the budget.",
-    "full_attention_layers": "OmniKV: layers that attend fully and select tokens for the "
-    "layers after them (default: the first layer and every 8th after it).",
-    "quest_chunk_size": "Quest: tokens per page scored by key min/max.",
-    "quest_skip_layers": "Quest: the first layers stay dense.",
+    "method_knobs": "The sparse method's own knobs (see `sparsevllm methods`); LLM keyword "
+    "arguments, JSON keys and CLI flags take them by name, next to these settings.",
 }
 
-# Knob fields and their validation bounds (inclusive minimum).
+# Shared budget settings and their validation bounds (inclusive minimum).
 _KNOB_MINIMUM = {
     "sink_keep_tokens": 0,
     "recent_keep_tokens": 0,
     "decode_keep_tokens": 1,
-    "snapkv_window_size": 1,
-    "snapkv_pool_kernel_size": 1,
-    "h2o_decode_eviction_interval": 1,
-    "quest_chunk_size": 1,
-    "quest_skip_layers": 0,
     "long_prefill_offload_threshold": 1,
 }
 
@@ -122,17 +118,12 @@ class EngineConfig:
     cpu_offload_gb: float = 0.0
     disk_offload_dir: str | None = None
     disk_offload_gb: float = 8.0
-    sink_keep_tokens: int = 4
-    recent_keep_tokens: int = 32
-    decode_keep_tokens: int = 2048
-    snapkv_window_size: int = 32
-    snapkv_pool_kernel_size: int = 7
-    pyramidkv_beta: float = 20.0
-    h2o_decode_budget: int | None = None
-    h2o_decode_eviction_interval: int = 16
-    full_attention_layers: tuple[int, ...] | None = None
-    quest_chunk_size: int = 16
-    quest_skip_layers: int = 2
+    sink_keep_tokens: int = SHARED_DEFAULTS["sink_keep_tokens"]
+    recent_keep_tokens: int = SHARED_DEFAULTS["recent_keep_tokens"]
+    decode_keep_tokens: int = SHARED_DEFAULTS["decode_keep_tokens"]
+    # The method's knobs dataclass; a mapping of knob names is accepted and validated
+    # against the method's dataclass (the default: the method's defaults).
+    method_knobs: MethodKnobs = field(default_factory=NoKnobs)
     # Not a runtime knob: kept so reports can say where a config came from.
     _source: str | None = field(default=None, repr=False, compare=False)
 
@@ -173,41 +164,40 @@ class EngineConfig:
         self._validate_sparse()
 
     def _validate_sparse(self) -> None:
-        from sparsevllm.sparse.registry import canonical_method_name, resolve_prefill_policy
-
         object.__setattr__(self, "sparse_method", canonical_method_name(self.sparse_method))
+        object.__setattr__(self, "method_knobs", self._validated_knobs())
         for name, low in _KNOB_MINIMUM.items():
             value = getattr(self, name)
             _check_type(name, value, int)
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        if self.h2o_decode_budget is not None:
-            _check_positive_int("h2o_decode_budget", self.h2o_decode_budget)
         _check_type("cpu_offload_gb", self.cpu_offload_gb, (int, float))
         if self.cpu_offload_gb < 0:
             raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
-        _check_type("pyramidkv_beta", self.pyramidkv_beta, (int, float))
-        if self.pyramidkv_beta < 1:
-            raise ValueError(f"pyramidkv_beta must be >= 1, got {self.pyramidkv_beta}")
         if self.sink_keep_tokens + self.recent_keep_tokens > self.decode_keep_tokens:
             raise ValueError(
                 f"sink_keep_tokens + recent_keep_tokens ({self.sink_keep_tokens} + "
                 f"{self.recent_keep_tokens}) must not exceed decode_keep_tokens "
                 f"({self.decode_keep_tokens})"
             )
-        if self.full_attention_layers is not None:
-            layers = self.full_attention_layers
-            if isinstance(layers, str):
-                layers = [int(x) for x in layers.replace(" ", "").split(",") if x]
-            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers):
-                raise ValueError(f"full_attention_layers must be layer indices, got {layers!r}")
-            object.__setattr__(self, "full_attention_layers", tuple(sorted(set(layers))))
         resolve_prefill_policy(self.sparse_method, self.prefill_policy)
         self._validate_prefix_caching()
 
-    def _validate_prefix_caching(self) -> None:
-        from sparsevllm.sparse.registry import method_spec
+    def _validated_knobs(self) -> MethodKnobs:
+        spec = method_spec(self.sparse_method)
+        knobs: object = self.method_knobs
+        if isinstance(knobs, Mapping):
+            return validate_knobs(self.sparse_method, knobs)
+        if type(knobs) is NoKnobs:
+            return spec.knobs()  # the default: the method's defaults
+        if type(knobs) is not spec.knobs:
+            raise ValueError(
+                f"method_knobs is a {type(knobs).__name__}; {self.sparse_method} takes "
+                f"{spec.knobs.__name__} (or a mapping of its knob names)"
+            )
+        return self.method_knobs
 
+    def _validate_prefix_caching(self) -> None:
         spec = method_spec(self.sparse_method)
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", True)
@@ -251,13 +241,35 @@ class EngineConfig:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+        """The engine's own settings (a method's knobs are not among them)."""
+        return [
+            f.name
+            for f in dataclasses.fields(cls)
+            if not f.name.startswith("_") and f.name != "method_knobs"
+        ]
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str | None = None) -> EngineConfig:
-        """Build from a mapping, rejecting unknown keys with the closest valid name."""
-        check_keys(values, cls.field_names(), what="config key")
-        return cls(**values, _source=source)
+    def option_names(cls) -> list[str]:
+        """Every name a config accepts: the engine's settings and every method's knobs."""
+        return cls.field_names() + all_knob_names()
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str | None = None) -> EngineConfig:
+        """Build from flat settings (a method's knobs by name, beside the engine's own),
+        rejecting unknown keys with the closest valid name."""
+        values = dict(values)
+        knobs = dict(values.pop("method_knobs", None) or {})
+        check_keys(values, cls.option_names(), what="config key")
+        fields = set(cls.field_names())
+        knobs.update({k: v for k, v in values.items() if k not in fields})
+        own = {k: v for k, v in values.items() if k in fields}
+        return cls(**own, method_knobs=knobs, _source=source)  # type: ignore[arg-type]
+
+    @classmethod
+    def create(cls, **values: Any) -> EngineConfig:
+        """`from_dict` with keyword arguments: `EngineConfig.create(sparse_method="snapkv",
+        snapkv_window_size=16)` (the constructor takes a method's knobs as `method_knobs`)."""
+        return cls.from_dict(values)
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides: Any) -> EngineConfig:
@@ -272,18 +284,27 @@ class EngineConfig:
         return cls.from_dict(values, source=str(path))
 
     def replace(self, **changes: Any) -> EngineConfig:
-        check_keys(changes, self.field_names(), what="config key")
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes` (flat names, as `from_dict`); the method's knobs carry
+        over unless the method changes."""
+        values = {name: getattr(self, name) for name in self.field_names()}
+        same_method = canonical_method_name(changes.get("sparse_method", self.sparse_method))
+        if same_method == self.sparse_method:
+            values.update(self.method_knobs.values())
+        values.update(changes)
+        return self.from_dict(values, source=self._source)
 
     @classmethod
     def knob_defaults(cls) -> dict[str, Any]:
-        return {f.name: f.default for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        """Defaults of the engine's own settings."""
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.field_names()}
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.field_names()}
+        """Flat settings, the method's knobs included: what `from_dict` takes back."""
+        values = {name: getattr(self, name) for name in self.field_names()}
+        return {**values, **self.method_knobs.values()}
 
 
-def check_keys(values: dict[str, Any], valid: list[str], what: str) -> None:
+def check_keys(values: Mapping[str, Any], valid: list[str], what: str) -> None:
     """Raise ValueError for the first unknown key, suggesting the closest valid one."""
     for key in values:
         if key not in valid:

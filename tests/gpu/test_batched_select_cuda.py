@@ -28,7 +28,7 @@ def no_sync():
 
 
 def quest_run(device: str) -> list:
-    c = EngineConfig(
+    c = EngineConfig.create(
         sparse_method="quest",
         decode_keep_tokens=24,
         quest_chunk_size=4,
@@ -72,7 +72,7 @@ def test_quest_select_views_without_host_sync():
 
 def test_omnikv_select_views_without_host_sync():
     budget, contexts = 10, [3, 10, 11, 25, 40, 17]
-    c = EngineConfig(sparse_method="omnikv", decode_keep_tokens=budget, **NO_SINK)
+    c = EngineConfig.create(sparse_method="omnikv", decode_keep_tokens=budget, **NO_SINK)
     m = OmniKV(c.replace(full_attention_layers=(0, 3)), 6, 2)
     kv = SlotKV(6, 256, 0, "cuda")
     for seq, n in enumerate(contexts):

@@ -48,7 +48,7 @@ def test_default_select_views_packs_the_per_row_picks():
 @pytest.mark.parametrize("dense", [False, True], ids=["per-row-scores", "step-scores"])
 def test_omnikv_batched_matches_per_row(seed, dense):
     budget, layers, full = 10, 8, (0, 3, 5)
-    c = EngineConfig(sparse_method="omnikv", decode_keep_tokens=budget, **NO_SINK)
+    c = EngineConfig.create(sparse_method="omnikv", decode_keep_tokens=budget, **NO_SINK)
     c = c.replace(full_attention_layers=full)
     m = OmniKV(c, layers, HKV)
     kv = SlotKV(layers, 256, seed)
@@ -82,7 +82,7 @@ def test_omnikv_batched_matches_per_row(seed, dense):
 
 # -- Quest ----------------------------------------------------------------------------------
 def quest(budget: int, size: int, layers: int = 3) -> Quest:
-    c = EngineConfig(
+    c = EngineConfig.create(
         sparse_method="quest",
         decode_keep_tokens=budget,
         quest_chunk_size=size,
@@ -129,7 +129,7 @@ def run_quest_steps(m: Quest, kv: SlotKV, schedule, q_seed: int, graph: bool = F
                 assert all(r is None for r in refs)
                 continue
             subset, lens = got
-            width = max(m.config.decode_keep_tokens, m.config.quest_chunk_size - 1)
+            width = max(m.config.decode_keep_tokens, m.knobs.quest_chunk_size - 1)
             assert subset.shape == (len(rows), HKV, width)  # fixed by the config
             for i, (seq, _, _) in enumerate(rows):
                 check_row(subset, lens, i, refs[i], len(kv.views[seq]) - 1)
@@ -217,12 +217,14 @@ def test_engine_batched_path_equals_per_row_path(tiny_model_factory, method, mon
     prompts = [[1] + list(range(10, 70)), [1] + list(range(100, 125)), [1, 5, 6]]
     prompts += [[1] + list(range(200, 241))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    knobs = {"omnikv": {"full_attention_layers": (0, 2)}, "quest": {"quest_skip_layers": 1}}
+    knobs = {
+        "omnikv": {"full_attention_layers": (0, 2)},
+        "quest": {"quest_skip_layers": 1, "quest_chunk_size": 4},
+    }
     kwargs = dict(
         sparse_method=method,
         decode_keep_tokens=16,
         recent_keep_tokens=4,
-        quest_chunk_size=4,
         chunk_prefill_size=7,
         **knobs[method],
     )

@@ -5,34 +5,34 @@ from __future__ import annotations
 import pytest
 
 from sparsevllm.config import EngineConfig
-from sparsevllm.sparse.registry import METHODS, budget_overrides, create_method
+from sparsevllm.sparse.registry import all_specs, budget_overrides, create_method, method_spec
 
-BUDGETED = [name for name, spec in METHODS.items() if spec.budget_knob is not None]
+BUDGETED = [spec.name for spec in all_specs() if spec.budget_knob is not None]
 BUDGETS = [1, 2, 4, 5, 36, 37, 100, 2048, 20000]
 
 
 def test_every_method_but_vanilla_declares_a_budget_knob() -> None:
-    assert METHODS["vanilla"].budget_knob is None
-    assert sorted(BUDGETED) == sorted(set(METHODS) - {"vanilla"})
-    fields = set(EngineConfig.field_names())
+    assert method_spec("vanilla").budget_knob is None
+    assert sorted(BUDGETED) == sorted({s.name for s in all_specs()} - {"vanilla"})
+    names = set(EngineConfig.option_names())
     for name in BUDGETED:
-        knob = METHODS[name].budget_knob
-        assert knob in fields and knob in METHODS[name].knobs, name
+        knob = method_spec(name).budget_knob
+        assert knob in names and knob in method_spec(name).settings, name
 
 
 @pytest.mark.parametrize("method", BUDGETED)
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_overrides_validate_and_bound_sink_and_recent(method: str, budget: int) -> None:
     overrides = budget_overrides(method, budget)
-    config = EngineConfig(sparse_method=method, **overrides)  # validates
+    config = EngineConfig.create(sparse_method=method, **overrides)  # validates
     sink, recent = config.sink_keep_tokens, config.recent_keep_tokens
     assert sink + recent <= budget and recent >= 1
     assert config.decode_keep_tokens == budget
-    knob = METHODS[method].budget_knob
+    knob = method_spec(method).budget_knob
     if method == "streamingllm":
         assert sink + recent == budget
     else:
-        assert getattr(config, knob) == budget
+        assert config.to_dict()[knob] == budget
     if budget >= 36:  # room for the defaults (sink 4, recent 32): they are kept
         assert sink == 4 and (method == "streamingllm" or recent == 32)
 
@@ -63,11 +63,12 @@ def test_vanilla_and_bad_budgets_are_rejected() -> None:
 def test_the_knob_bounds_what_an_eviction_method_keeps(method: str) -> None:
     """Once prefill is over, a request holds about the budget per layer (not the prompt)."""
     prompt, budget, layers = 4096, 1024, 8
-    config = EngineConfig(sparse_method=method, **budget_overrides(method, budget))
+    config = EngineConfig.create(sparse_method=method, **budget_overrides(method, budget))
     m = create_method(config, num_layers=layers, num_kv_heads=2)
     if method == "pyramidkv":  # the budget is the mean over layers
         mean = sum(m.layer_budget(layer) for layer in range(layers)) / layers
         assert abs(mean - budget) <= 1
         return
-    slack = {"h2o": config.h2o_decode_eviction_interval, "tova": 1, "streamingllm": 1}
+    interval = config.to_dict().get("h2o_decode_eviction_interval")
+    slack = {"h2o": interval, "tova": 1, "streamingllm": 1}
     assert budget <= m.decode_resident(prompt, 0) <= budget + slack.get(method, 0)

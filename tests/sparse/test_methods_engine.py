@@ -6,9 +6,9 @@ import pytest
 
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.sparse.pyramidkv import pyramid_budgets
-from sparsevllm.sparse.registry import METHODS
+from sparsevllm.sparse.registry import method_names
 
-SPARSE = [m for m in METHODS if m != "vanilla"]
+SPARSE = [m for m in method_names() if m != "vanilla"]
 PROMPTS = [
     [1] + list(range(10, 70)),
     [1] + list(range(100, 125)),
@@ -64,8 +64,8 @@ def test_small_budget_with_chunks_mixed_lengths_and_preemption(model, method):
         recent_keep_tokens=4,
         chunk_prefill_size=7,
         num_kv_slots=120,
-        quest_chunk_size=4,
         **LAYOUT.get(method, {}),
+        **({"quest_chunk_size": 4} if method == "quest" else {}),
     )
     outs = llm.generate(
         PROMPTS * 2, SamplingParams(max_tokens=40, ignore_eos=True, seed=0), use_tqdm=False
@@ -94,7 +94,7 @@ def test_resident_slots_equal_budget_after_prefill(model, method):
     trace = resident_after_each_step(llm, PROMPTS[0], 3)  # 61 prompt tokens, one full step
     expected = [24] * 4
     if method == "pyramidkv":
-        expected = pyramid_budgets(24, 4, llm.config.pyramidkv_beta, 4 + 8 + 1)
+        expected = pyramid_budgets(24, 4, llm.config.method_knobs.pyramidkv_beta, 4 + 8 + 1)
         assert expected[0] > expected[-1]
     assert trace[0] == expected
 

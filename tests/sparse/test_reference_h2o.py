@@ -87,7 +87,7 @@ def run(seed: int, prompts: dict[int, int], plan: list[dict[int, int]]):
     k = {
         s: {la: torch.randn(total[s], HKV, D, generator=g) for la in range(LAYERS)} for s in prompts
     }
-    c = EngineConfig(
+    c = EngineConfig.create(
         sparse_method="h2o",
         sink_keep_tokens=SINK,
         recent_keep_tokens=RECENT,

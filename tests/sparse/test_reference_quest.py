@@ -71,7 +71,7 @@ def ref_quest(q: torch.Tensor, keys: torch.Tensor, budget: int, size: int):
 
 
 def quest(budget=24, size=4, skip=1, layers=3) -> Quest:
-    c = EngineConfig(
+    c = EngineConfig.create(
         sparse_method="quest",
         decode_keep_tokens=budget,
         quest_chunk_size=size,

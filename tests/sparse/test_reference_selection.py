@@ -97,7 +97,7 @@ def ref_last_query_probs(q: torch.Tensor, k: torch.Tensor) -> list[list[float]]:
 
 
 def cfg(method: str, **knobs) -> EngineConfig:
-    return EngineConfig(sparse_method=method, **knobs)
+    return EngineConfig.create(sparse_method=method, **knobs)
 
 
 # -- select_keep ------------------------------------------------------------------------

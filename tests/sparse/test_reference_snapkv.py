@@ -150,7 +150,7 @@ def snap_cfg(method="snapkv", **kw) -> EngineConfig:
     base = dict(decode_keep_tokens=20, sink_keep_tokens=2, recent_keep_tokens=4)
     base.update(snapkv_window_size=8, snapkv_pool_kernel_size=1)
     base.update(kw)
-    return EngineConfig(sparse_method=method, **base)
+    return EngineConfig.create(sparse_method=method, **base)
 
 
 @pytest.mark.parametrize("seed", range(3))

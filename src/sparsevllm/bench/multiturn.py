@@ -69,7 +69,7 @@ def run_variant(
         "variant": variant,
         "sparse_method": method,
         "cache": cache,
-        "knobs": engine.method.knobs(),
+        "knobs": engine.method.knob_values(),
         "end_to_end_s": elapsed,
         "prefill_tokens_computed": stats["num_prefill_tokens_computed"],
         "cache_hit_tokens": stats["num_cached_prompt_tokens"],
@@ -153,7 +153,7 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args: Any) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from sparsevllm.cli import engine_config_from_args
+    from sparsevllm.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
     kwargs = {k: v for k, v in config.to_dict().items() if k in vars(args)}

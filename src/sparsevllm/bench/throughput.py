@@ -174,7 +174,7 @@ def measure(
         if runner.device.type == "cuda"
         else "cpu",
         "sparse_method": llm.config.sparse_method,
-        "knobs": runner.method.knobs(),
+        "knobs": runner.method.knob_values(),
         "prefill_policy": engine.prefill_policy,
         "chunk_prefill_size": llm.config.chunk_prefill_size,
         "cuda_graphs": runner.graphs is not None,
@@ -285,7 +285,7 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args: Any) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from sparsevllm.cli import engine_config_from_args
+    from sparsevllm.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
     given = {k: v for k, v in config.to_dict().items() if k in vars(args)}

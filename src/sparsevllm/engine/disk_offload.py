@@ -48,7 +48,7 @@ def kv_fingerprint(config: Any, source: Any, runner: Any, layer_groups: list[lis
         "head_dim": runner.head_dim,
         "layer_groups": layer_groups,
         "sparse_method": config.sparse_method,
-        "knobs": method.knobs(),
+        "knobs": method.knob_values(),
     }
 
 

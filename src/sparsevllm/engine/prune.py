@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from sparsevllm.engine.chain_cache import Chain, ChainBusyError, ChainCache
-from sparsevllm.engine.prune_select import PRUNE_METHODS, combine, score_entries, select_keep
+from sparsevllm.engine.prune_select import check_prune_method, combine, score_entries, select_keep
 from sparsevllm.upload import upload
 
 
@@ -60,8 +60,7 @@ class PruneResult:
 
 def check_prune_args(ranges: Any, method: Any, keep_ratio: Any) -> list[tuple[int, int]]:
     """Validate what does not depend on the cache; returns the ranges sorted."""
-    if method not in PRUNE_METHODS:
-        raise ValueError(f"method must be one of {', '.join(PRUNE_METHODS)}; got {method!r}")
+    check_prune_method(method)
     if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)):
         raise ValueError(f"keep_ratio must be a number in (0, 1], got {keep_ratio!r}")
     if not 0 < keep_ratio <= 1:
@@ -184,16 +183,7 @@ def _prune_group(
     length = positions.shape[1]
     if length == 0:
         return
-    scores = [
-        score_entries(
-            method,
-            kv.keys(owner, layer),
-            positions,
-            cfg.snapkv_window_size,
-            cfg.snapkv_pool_kernel_size,
-        )
-        for layer in layers
-    ]
+    scores = [score_entries(method, kv.keys(owner, layer), positions, cfg) for layer in layers]
     if len(layers) == 1:
         keep = select_keep(scores[0], positions, ranges, keep_ratio)  # [Hkv, B]
     else:
@@ -234,13 +224,7 @@ def _prune_prefix(
     positions = upload(logical, torch.int32, device)
     positions = positions.expand(runner.num_kv_heads, -1)  # [Hkv, L]: shared by all heads
     scores = [
-        score_entries(
-            method,
-            runner.k_cache[layer][index],  # [L, Hkv, D]
-            positions,
-            cfg.snapkv_window_size,
-            cfg.snapkv_pool_kernel_size,
-        )
+        score_entries(method, runner.k_cache[layer][index], positions, cfg)  # keys [L, Hkv, D]
         for layer in engine.pool.layer_groups[0]
     ]
     keep = select_keep(combine(scores), positions[:1], ranges, keep_ratio)[0].tolist()

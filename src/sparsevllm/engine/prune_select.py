@@ -1,15 +1,7 @@
 """Which cached tokens a prune keeps: scoring a view's entries and choosing per range.
 
-Scores reuse the sparse methods' rules, computed from what a cached history still has:
-its keys (queries are not kept).
-
-- `knorm`: a lower key norm is more important (KNorm's rule); needs only keys.
-- `snapkv`: SnapKV's vote, with the *keys* of the history's last `window` resident
-  tokens standing in for the observation queries (causal by logical position, summed
-  over the window, max-pooled along the view). Queries and keys of a token come from
-  the same hidden state, so its key is the closest stand-in the cache holds; the end of
-  the history is what the next turn continues from, as SnapKV's prompt end is.
-- `streamingllm`: position only: each range keeps its most recent tokens.
+Scores come from the sparse method named as the scorer (its spec's `prune_scorer`),
+computed from what a cached history still has: its keys (queries are not kept).
 """
 
 from __future__ import annotations
@@ -18,36 +10,45 @@ import math
 
 import torch
 
-from sparsevllm.sparse.snapkv import snapkv_scores
+from sparsevllm.sparse.base import MethodSettings
+from sparsevllm.sparse.registry import all_specs, canonical_method_name, method_spec
 
-PRUNE_METHODS = ("knorm", "snapkv", "streamingllm")
+
+def prune_methods() -> list[str]:
+    """The methods that can score a cached history."""
+    return [spec.name for spec in all_specs() if spec.prune_scorer is not None]
+
+
+def check_prune_method(method: object) -> str:
+    """The canonical name of a scorer method; a clear error for any other value."""
+    valid = ", ".join(prune_methods())
+    if not isinstance(method, str):
+        raise ValueError(f"method must be one of {valid}; got {method!r}")
+    try:
+        name = canonical_method_name(method)
+    except ValueError:
+        raise ValueError(f"method must be one of {valid}; got {method!r}") from None
+    if method_spec(name).prune_scorer is None:
+        raise ValueError(f"method must be one of {valid}; {name} cannot score a cached history")
+    return name
 
 
 def score_entries(
-    method: str, keys: torch.Tensor, positions: torch.Tensor, window: int, kernel: int
+    method: str, keys: torch.Tensor, positions: torch.Tensor, settings: MethodSettings
 ) -> torch.Tensor:
-    """Importance of every view entry, per KV head (higher is kept).
+    """Importance of every view entry, per KV head (higher is kept), by `method`'s rule,
+    with the engine's knobs when they are that method's, else the method's defaults.
 
     keys: `[L, Hkv, D]` (row j: each head's j-th entry); positions: `[Hkv, L]` logical
     position of each entry. Returns `[Hkv, L]` float32.
     """
-    if method == "knorm":
-        return -keys.float().norm(dim=-1).t()
-    if method == "streamingllm":
-        return positions.float()
-    if method == "snapkv":
-        return _snapkv(keys.float(), positions, window, kernel)
-    raise ValueError(f"method must be one of {', '.join(PRUNE_METHODS)}; got {method!r}")
-
-
-def _snapkv(keys: torch.Tensor, positions: torch.Tensor, window: int, kernel: int) -> torch.Tensor:
-    w = min(window, keys.shape[0])
-    k = keys.transpose(0, 1)  # [Hkv, L, D]
-    q = k[:, -w:]  # [Hkv, w, D]: the last entries' keys as observation queries
-    logits = q @ k.transpose(1, 2) / math.sqrt(k.shape[-1])  # [Hkv, w, L]
-    future = positions[:, None, :] > positions[:, -w:, None]  # [Hkv, w, L]
-    attn = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
-    return snapkv_scores(attn.sum(dim=1), k.shape[0], kernel)  # [Hkv, L]
+    spec = method_spec(method)
+    if spec.prune_scorer is None:
+        raise ValueError(f"{spec.name} cannot score a cached history")
+    # A method whose knobs extend the scorer's (PyramidKV's extend SnapKV's) lends them.
+    own = isinstance(settings.method_knobs, spec.knobs)
+    knobs = settings.method_knobs if own else spec.knobs()
+    return spec.prune_scorer(keys, positions, knobs).float()
 
 
 def combine(scores: list[torch.Tensor]) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from sparsevllm.engine.disk_offload import DiskStore, SavedChain, kv_fingerprint
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.offload import to_host
-from sparsevllm.engine.prefix_cache import RadixCache, _Node
+from sparsevllm.engine.prefix_cache import RadixCache, RadixNode
 from sparsevllm.upload import upload
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class RadixTiers:
         self.runner = runner
         self.cpu = cpu
         self.disk = disk
-        self._nodes: dict[int, _Node] = {}  # key -> offloaded node (either tier)
+        self._nodes: dict[int, RadixNode] = {}  # key -> offloaded node (either tier)
         self.num_offloaded = 0
         self.num_restored = 0
         cache.tier = self
@@ -133,7 +133,7 @@ class RadixTiers:
         return tiers
 
     # -- NodeTier -----------------------------------------------------------------------
-    def offload(self, node: _Node) -> str | None:
+    def offload(self, node: RadixNode) -> str | None:
         need = len(node.slots) * self.runner.kv_bytes_per_slot
         if self.cpu is not None and need <= self.cpu.capacity_bytes:
             self._make_cpu_room(need)
@@ -149,7 +149,7 @@ class RadixTiers:
             self._nodes.pop(node.key, None)
         return None
 
-    def restore(self, node: _Node, reserve: int = 0) -> list[int] | None:
+    def restore(self, node: RadixNode, reserve: int = 0) -> list[int] | None:
         key = node.key
         if self.cpu is not None and key in self.cpu.rows:
             n = self.cpu.rows[key][0][0].shape[0]
@@ -173,7 +173,7 @@ class RadixTiers:
         self.num_restored += 1
         return slots
 
-    def drop(self, node: _Node) -> None:
+    def drop(self, node: RadixNode) -> None:
         self._nodes.pop(node.key, None)
         if self.cpu is not None:
             self.cpu.take(node.key)
@@ -201,7 +201,7 @@ class RadixTiers:
             self.cache.discard(node)
 
     # -- disk ---------------------------------------------------------------------------
-    def _write(self, node: _Node, rows: NodeRows) -> bool:
+    def _write(self, node: RadixNode, rows: NodeRows) -> bool:
         path = self.cache.path(node)
         tokens = [t for n in path for t in n.tokens]
         start = len(tokens) - len(node.tokens)
@@ -226,7 +226,7 @@ class RadixTiers:
         if self.disk is None:
             return 0
         saved = self.disk.scan()  # oldest first
-        placed: dict[str, _Node] = {}
+        placed: dict[str, RadixNode] = {}
         for entry in sorted(saved, key=lambda s: s.meta.get("start", -1)):
             node = self._graft(entry)
             if node is None:
@@ -241,7 +241,7 @@ class RadixTiers:
                 self._nodes[node.key] = node
         return len(placed)
 
-    def _graft(self, entry: SavedChain) -> _Node | None:
+    def _graft(self, entry: SavedChain) -> RadixNode | None:
         meta = entry.meta
         if meta.get("kind") != "radix":
             return None
@@ -267,7 +267,7 @@ class RadixTiers:
         return self.disk.num_written - before
 
     # -- listings -----------------------------------------------------------------------
-    def rows_of(self, node: _Node) -> int:
+    def rows_of(self, node: RadixNode) -> int:
         if self.cpu is not None and node.key in self.cpu.rows:
             return self.cpu.rows[node.key][0][0].shape[0]
         return self.disk.counts(node.key)[0] if self.disk and self.disk.has(node.key) else 0

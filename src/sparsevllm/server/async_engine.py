@@ -34,18 +34,18 @@ from sparsevllm.server.metrics import ServerMetrics
 from sparsevllm.server.requests import (  # noqa: F401 (re-exported)
     ChainBusy,
     ChainInfo,
+    EngineCall,
     EngineClosed,
     EngineFailure,
     EngineRequest,
     InvalidRequest,
+    LiveRequest,
     QueueFull,
     RequestRejected,
     RequestStream,
-    _Ack,
-    _Call,
-    _Live,
-    _settle,
-    _Submission,
+    Submission,
+    SubmitAck,
+    settle_call,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class AsyncEngine:
         self.config = engine.config
         self.metrics = metrics or ServerMetrics()
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}  # worker thread only
+        self._live: dict[str, LiveRequest] = {}  # worker thread only
         self._lock = threading.Lock()
         self._pending = 0  # submitted, not yet added (or rejected) by the worker
         self._stats: dict[str, Any] = {}
@@ -143,14 +143,14 @@ class AsyncEngine:
         out_queue: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
             self._pending += len(requests)
-        sub = _Submission(requests, out_queue, loop, time.perf_counter())
+        sub = Submission(requests, out_queue, loop, time.perf_counter())
         if not self._enqueue("submit", sub):
             with self._lock:
                 self._pending -= len(requests)
             raise EngineClosed("the server is shutting down")
         stream = RequestStream(self, [r.request_id for r in requests], out_queue)
         try:
-            ack: _Ack = await out_queue.get()
+            ack: SubmitAck = await out_queue.get()
         except asyncio.CancelledError:
             stream.abort()  # the abort command follows the submit: it always finds them
             raise
@@ -168,7 +168,7 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[_T] = loop.create_future()
-        if not self.is_alive or not self._enqueue("call", _Call(fn, future, loop)):
+        if not self.is_alive or not self._enqueue("call", EngineCall(fn, future, loop)):
             raise EngineClosed("the engine worker is not running")
         return await future
 
@@ -213,9 +213,9 @@ class AsyncEngine:
             if kind == "submit":
                 with self._lock:
                     self._pending -= len(payload.requests)
-                self._post(payload.loop, payload.queue, _Ack(closed))
+                self._post(payload.loop, payload.queue, SubmitAck(closed))
             elif kind == "call":
-                _settle(payload, error=closed)
+                settle_call(payload, error=closed)
 
     def _iterate(self) -> bool:
         """One round: commands, deadline, one step. Returns True when the worker should exit."""
@@ -249,13 +249,13 @@ class AsyncEngine:
             try:
                 result = payload.fn(self._engine)
             except Exception as e:
-                _settle(payload, error=e)
+                settle_call(payload, error=e)
             else:
-                _settle(payload, result=result)
+                settle_call(payload, result=result)
         elif kind == "stop":
             self._stop_requested = True
 
-    def _add(self, sub: _Submission) -> None:
+    def _add(self, sub: Submission) -> None:
         added: list[str] = []
         chains: dict[str, ChainInfo] = {}
         error: RequestRejected | None = None
@@ -289,7 +289,7 @@ class AsyncEngine:
                 error = EngineFailure(f"the engine failed to add the request: {e}")
         else:
             for r in sub.requests:
-                self._live[r.request_id] = _Live(sub.queue, sub.loop, sub.arrival)
+                self._live[r.request_id] = LiveRequest(sub.queue, sub.loop, sub.arrival)
             self.metrics.add_prompt_tokens(sum(len(r.prompt_token_ids) for r in sub.requests))
         finally:
             # The new waiting count and the lower `pending` are published together, so
@@ -298,7 +298,7 @@ class AsyncEngine:
             with self._lock:
                 self._stats = stats
                 self._pending -= len(sub.requests)
-        self._post(sub.loop, sub.queue, _Ack(error, chains))
+        self._post(sub.loop, sub.queue, SubmitAck(error, chains))
 
     def _chain_of(self, request_id: str) -> ChainInfo:
         """The chain id and status the engine just gave a request (known from add_request

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from sparsevllm.engine.chain_cache import ChainBusyError
 from sparsevllm.engine.prune import CacheEntryNotFound
 from sparsevllm.server.errors import APIError, bad_request, from_value_error
-from sparsevllm.server.protocol import _Strict, check_chain_id
+from sparsevllm.server.protocol import StrictModel, check_chain_id
 from sparsevllm.server.requests import EngineClosed
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def persist_chains(engine: Any) -> None:
         logger.info("wrote %d cache entries (chains or radix nodes) to the disk tier", written)
 
 
-class CachePruneRequest(_Strict):
+class CachePruneRequest(StrictModel):
     """Body of POST /v1/cache/prune: which history (a chain, or the cached prefix of a
     prompt), which token ranges, how to score them and how much of each to keep."""
 

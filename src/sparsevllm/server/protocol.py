@@ -28,18 +28,18 @@ _CHAIN_ID_CHARS = re.compile(r"[\x21-\x7e]+")
 GREEDY_TEMPERATURE = 1e-5
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     """`stream_options`: `include_usage` adds a final chunk with the usage."""
 
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # accepted for vLLM clients; ignored
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -138,14 +138,14 @@ class CompletionRequest(SamplingFields):
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     """A text part of a message's content (the only part type served)."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One chat message; `content` is text or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]

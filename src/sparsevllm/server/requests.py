@@ -57,7 +57,7 @@ class ChainInfo:
 
 
 @dataclass
-class _Submission:
+class Submission:
     requests: list[EngineRequest]
     queue: asyncio.Queue[Any]
     loop: asyncio.AbstractEventLoop
@@ -65,20 +65,20 @@ class _Submission:
 
 
 @dataclass
-class _Ack:
+class SubmitAck:
     error: RequestRejected | None = None
     chains: dict[str, ChainInfo] = field(default_factory=dict)
 
 
 @dataclass
-class _Call:
+class EngineCall:
     fn: Callable[[Any], Any]
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
 
 
 @dataclass
-class _Live:
+class LiveRequest:
     """Worker-side bookkeeping of one engine request."""
 
     queue: asyncio.Queue[Any]
@@ -117,7 +117,7 @@ class RequestStream:
             self.unfinished.clear()
 
 
-def _settle(call: _Call, result: Any = None, error: BaseException | None = None) -> None:
+def settle_call(call: EngineCall, result: Any = None, error: BaseException | None = None) -> None:
     """Resolve a call's future on its own loop (unless its caller has gone)."""
 
     def resolve() -> None:

@@ -39,9 +39,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from sparsevllm.sparse.registry import method_spec
+from sparsevllm.sparse.spec import MethodKnobs
+
 if TYPE_CHECKING:
     from sparsevllm.attention.backend import ForwardBatch
-    from sparsevllm.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,24 @@ class SeqStep:
     @property
     def finishes_prompt(self) -> bool:
         return self.start < self.prompt_len <= self.end
+
+
+class MethodSettings(Protocol):
+    """What a method reads of the engine's settings (EngineConfig provides it): the
+    budget settings methods share, the prefill chunk bound, and its own knobs."""
+
+    @property
+    def sparse_method(self) -> str: ...
+    @property
+    def sink_keep_tokens(self) -> int: ...
+    @property
+    def recent_keep_tokens(self) -> int: ...
+    @property
+    def decode_keep_tokens(self) -> int: ...
+    @property
+    def chunk_prefill_size(self) -> int: ...
+    @property
+    def method_knobs(self) -> MethodKnobs: ...
 
 
 class KVAccess(Protocol):
@@ -127,14 +147,17 @@ class SparseMethod:
     evicts_during_decode: ClassVar[bool] = False
     score_layers: frozenset[int] | None = None  # None: every layer reports scores
 
+    knobs: MethodKnobs  # the method's own knobs dataclass (validated with the config)
+
     def __init__(
         self,
-        config: EngineConfig,
+        config: MethodSettings,
         num_layers: int,
         num_kv_heads: int,
         layers: Sequence[int] | None = None,
     ) -> None:
         self.config = config
+        self.knobs = config.method_knobs
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         # The managed layers, ascending (sliding-window layers excluded by the host).
@@ -164,11 +187,12 @@ class SparseMethod:
         leaves room for it); `kv_bytes_per_layer_slot`: one slot's K+V at one layer."""
         return 0.0
 
-    def knobs(self) -> dict[str, Any]:
-        """The method's knob values, for reports."""
-        from sparsevllm.sparse.registry import method_knobs
-
-        return {k: getattr(self.config, k) for k in method_knobs(self.name)}
+    def knob_values(self) -> dict[str, Any]:
+        """The settings the method reads (shared budget fields, then its own knobs), for
+        reports and the disk tier's fingerprint."""
+        spec = method_spec(self.name)
+        shared = {k: getattr(self.config, k) for k in spec.budget_fields}
+        return {**shared, **self.knobs.values()}
 
     # -- forward hooks ----------------------------------------------------------------
     def score_rows(self, step: SeqStep) -> int:
@@ -263,6 +287,17 @@ def gqa_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """`[num_heads, L]` -> `[num_kv_heads, L]`: mean over each KV head's query heads."""
     h, length = scores.shape
     return scores.view(num_kv_heads, h // num_kv_heads, length).mean(dim=1)
+
+
+def add_padded(acc: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+    """Sum score vectors of different lengths (a later chunk sees more keys)."""
+    if new is None:
+        return acc
+    if acc is None:
+        return new.float().clone()
+    out = new.float().clone()
+    out[:, : acc.shape[-1]] += acc
+    return out
 
 
 def select_keep(scores: torch.Tensor, budget: int, sink: int, recent: int) -> torch.Tensor:

@@ -10,21 +10,33 @@ the compaction, so the state stays aligned with the resident rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from sparsevllm.sparse.base import ScoreEviction, SeqStep, gqa_mean
-from sparsevllm.sparse.snapkv import _add_padded
+from sparsevllm.sparse.base import ScoreEviction, SeqStep, add_padded, gqa_mean
+from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
+
+
+@dataclass(frozen=True)
+class H2OKnobs(MethodKnobs):
+    h2o_decode_budget: int | None = knob(
+        None, "H2O: tokens kept after each eviction burst (default: decode_keep_tokens).", minimum=1
+    )
+    h2o_decode_eviction_interval: int = knob(
+        16, "H2O: evict once this many tokens above the budget.", minimum=1
+    )
 
 
 class H2O(ScoreEviction):
     evicts_during_decode = True
     name = "h2o"
+    knobs: H2OKnobs
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        c = self.config
-        self.budget = c.h2o_decode_budget or c.decode_keep_tokens
-        self.interval = c.h2o_decode_eviction_interval
+        self.budget = self.knobs.h2o_decode_budget or self.config.decode_keep_tokens
+        self.interval = self.knobs.h2o_decode_eviction_interval
         self._acc: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [Hkv, L]
 
     def layer_budget(self, layer: int) -> int:
@@ -54,7 +66,7 @@ class H2O(ScoreEviction):
             for layer, rows in scores.items():
                 if rows[step.row] is not None:
                     votes = gqa_mean(rows[step.row].float(), self.num_kv_heads)
-                    acc[layer] = _add_padded(acc.get(layer), votes)
+                    acc[layer] = add_padded(acc.get(layer), votes)
         super().after_step(steps, scores, kv)
 
     def score(self, layer, step, kv, attn):
@@ -74,3 +86,15 @@ class H2O(ScoreEviction):
         self, seq_id: int, state: dict[str, torch.Tensor], device: torch.device
     ) -> None:
         self._acc[seq_id] = {int(layer): acc.to(device) for layer, acc in state.items()}
+
+
+SPEC = MethodSpec(
+    name="h2o",
+    family="physical_eviction",
+    description="heavy hitters by cumulative attention + recent tokens, evicted in bursts",
+    method=H2O,
+    knobs=H2OKnobs,
+    budget_fields=SHARED_BUDGET,
+    budget_knob="h2o_decode_budget",
+    chain_cache=True,
+)

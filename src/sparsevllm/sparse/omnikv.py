@@ -12,15 +12,28 @@ probabilities (head mean, masked top-k), with no host synchronisation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sparsevllm.sparse.base import SeqStep, SparseMethod
+from sparsevllm.sparse.spec import MethodKnobs, MethodSpec, knob
 
 DEFAULT_FULL_LAYER_STRIDE = 8
 
 
+@dataclass(frozen=True)
+class OmniKVKnobs(MethodKnobs):
+    full_attention_layers: tuple[int, ...] | None = knob(
+        None,
+        "OmniKV: layers that attend fully and select tokens for the layers after them "
+        "(comma-separated; default: the first layer and every 8th after it).",
+    )
+
+
 class OmniKV(SparseMethod):
     name = "omnikv"
+    knobs: OmniKVKnobs
     # The picks read the full layers' decode probabilities inside the decode graph too
     # (there the buffer spans the table width); each is dropped once its picks exist, so
     # one full layer's buffer is alive at a time. after_step reads no scores.
@@ -30,7 +43,7 @@ class OmniKV(SparseMethod):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         managed = self.layers  # sliding-window layers are not OmniKV's
-        layers = self.config.full_attention_layers
+        layers = self.knobs.full_attention_layers
         if layers is None:
             # One full layer per 8 managed ones (Llama-3-8B: 0, 8, 16, 24). A fixed stride,
             # not a fraction of the depth: with few managed layers (Gemma 3's global ones)
@@ -109,3 +122,15 @@ def omnikv_pick(attn: torch.Tensor, budget: int) -> torch.Tensor | None:
     if context.numel() <= budget:
         return None
     return context.topk(budget).indices.sort().values
+
+
+SPEC = MethodSpec(
+    name="omnikv",
+    family="logical_masking",
+    description="dense storage; full-attention layers pick the tokens later layers read",
+    method=OmniKV,
+    knobs=OmniKVKnobs,
+    budget_fields=("decode_keep_tokens",),
+    budget_knob="decode_keep_tokens",
+    prefix_cache=True,
+)

@@ -9,11 +9,25 @@ fewer than sink + recent + 1 tokens).
 
 from __future__ import annotations
 
-from sparsevllm.sparse.snapkv import SnapKV
+from dataclasses import dataclass
+
+from sparsevllm.sparse.snapkv import SnapKV, SnapKVKnobs
+from sparsevllm.sparse.spec import SHARED_BUDGET, MethodSpec, knob
+
+
+@dataclass(frozen=True)
+class PyramidKVKnobs(SnapKVKnobs):
+    pyramidkv_beta: float = knob(
+        20.0,
+        "PyramidKV: the top layer keeps decode_keep_tokens / beta of the mean budget's "
+        "share; budgets fall linearly from the bottom layer.",
+        minimum=1,
+    )
 
 
 class PyramidKV(SnapKV):
     name = "pyramidkv"
+    knobs: PyramidKVKnobs
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -22,7 +36,7 @@ class PyramidKV(SnapKV):
         budgets = pyramid_budgets(
             c.decode_keep_tokens,
             len(self.layers),
-            c.pyramidkv_beta,
+            self.knobs.pyramidkv_beta,
             c.sink_keep_tokens + c.recent_keep_tokens + 1,
         )
         self.budgets = dict(zip(self.layers, budgets))
@@ -39,3 +53,16 @@ def pyramid_budgets(mean: int, num_layers: int, beta: float, floor: int) -> list
     bottom = 2 * mean - top
     step = (bottom - top) / (num_layers - 1)
     return [max(floor, round(bottom - step * layer)) for layer in range(num_layers)]
+
+
+SPEC = MethodSpec(
+    name="pyramidkv",
+    family="physical_eviction",
+    description="SnapKV scoring with budgets shrinking from lower to upper layers",
+    method=PyramidKV,
+    knobs=PyramidKVKnobs,
+    budget_fields=SHARED_BUDGET,
+    budget_knob="decode_keep_tokens",
+    prefill_policy="long_bs1full_short_batch",
+    chain_cache=True,
+)

@@ -18,16 +18,26 @@ positions on the device, with no host synchronisation and a width fixed by the c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sparsevllm.sparse.base import SparseMethod
 from sparsevllm.sparse.quest_pages import QuestPages
+from sparsevllm.sparse.spec import MethodKnobs, MethodSpec, knob
 
 _ACTIVE = "quest_sparse"  # method_cache key: some decode row of the step needs pages
 
 
+@dataclass(frozen=True)
+class QuestKnobs(MethodKnobs):
+    quest_chunk_size: int = knob(16, "Quest: tokens per page scored by key min/max.", minimum=1)
+    quest_skip_layers: int = knob(2, "Quest: the first layers stay dense.", minimum=0)
+
+
 class Quest(SparseMethod):
     name = "quest"
+    knobs: QuestKnobs
     # select_views is sync-free with config/shape-sized outputs and reads the page pool
     # and table, allocated before capture; a pool that grows bumps graph_epoch.
     uses_decode_view = True
@@ -37,20 +47,20 @@ class Quest(SparseMethod):
         super().__init__(*args, **kwargs)
         # (seq_id, layer) -> (page_min, page_max), each [P, Hkv, D], full pages only
         self._pages: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._dense_layers = frozenset(self.layers[: self.config.quest_skip_layers])
+        self._dense_layers = frozenset(self.layers[: self.knobs.quest_skip_layers])
         sparse = tuple(la for la in self.layers if la not in self._dense_layers)
-        self.pages = QuestPages(sparse, self.config.quest_chunk_size) if sparse else None
+        self.pages = QuestPages(sparse, self.knobs.quest_chunk_size) if sparse else None
 
     def state_bytes_per_slot(self, kv_bytes_per_layer_slot: int) -> float:
         # Per sparse layer a page of `size` slots keeps two key rows (min, max): the
         # bytes of one slot's K and V.
         n = len(self.pages.layers) if self.pages else 0
-        return n * kv_bytes_per_layer_slot / self.config.quest_chunk_size
+        return n * kv_bytes_per_layer_slot / self.knobs.quest_chunk_size
 
     def begin_step(self, batch):
         if self.pages is None:
             return
-        size, budget = self.config.quest_chunk_size, self.config.decode_keep_tokens
+        size, budget = self.knobs.quest_chunk_size, self.config.decode_keep_tokens
         group = batch.group_of_layer[self.pages.layers[0]]
         need = []  # (seq_id, table row, full pages) of decode rows past the budget
         for i, step in enumerate(batch.steps):
@@ -65,7 +75,7 @@ class Quest(SparseMethod):
 
     def prepare_graph_capture(self, kv, num_rows, max_len):
         if self.pages is not None:
-            self.pages.allocate(kv, (num_rows, max_len // self.config.quest_chunk_size))
+            self.pages.allocate(kv, (num_rows, max_len // self.knobs.quest_chunk_size))
 
     @property
     def graph_epoch(self) -> int:
@@ -77,7 +87,7 @@ class Quest(SparseMethod):
         # read their whole context either way).
         if layer in self._dense_layers or not batch.method_cache.get(_ACTIVE, True):
             return None
-        size = self.config.quest_chunk_size
+        size = self.knobs.quest_chunk_size
         context = batch.view_lens_t[batch.group_of_layer[layer]] - 1  # [S]
         table = self.pages.table[batch.rows_t.long()]  # [S, P] page ids
         full = torch.div(context, size, rounding_mode="floor")  # [S] full pages
@@ -90,7 +100,7 @@ class Quest(SparseMethod):
         step = batch.steps[row]
         if layer in self._dense_layers or not step.is_decode:
             return None
-        size, budget = self.config.quest_chunk_size, self.config.decode_keep_tokens
+        size, budget = self.knobs.quest_chunk_size, self.config.decode_keep_tokens
         context = batch.kv.resident(step.seq_id, layer) - 1  # the new token is read anyway
         if context <= budget:
             return None
@@ -102,7 +112,7 @@ class Quest(SparseMethod):
         return quest_positions(scores, n_pages, size, tail)
 
     def _update_pages(self, seq_id, layer, context, kv):
-        size = self.config.quest_chunk_size
+        size = self.knobs.quest_chunk_size
         pmin, pmax = self._pages.get((seq_id, layer), (None, None))
         done = 0 if pmin is None else pmin.shape[0]
         full = context // size
@@ -210,3 +220,15 @@ def quest_views(
     pos = torch.where(fits, j, pos).to(torch.int32)
     lens = torch.where(fits.view(s), context, n_pages * size + tail).to(torch.int32)
     return pos, lens
+
+
+SPEC = MethodSpec(
+    name="quest",
+    family="query_aware_selection",
+    description="page min/max keys; decode reads only the pages the query scores highest",
+    method=Quest,
+    knobs=QuestKnobs,
+    budget_fields=("decode_keep_tokens",),
+    budget_knob="decode_keep_tokens",
+    prefix_cache=True,
+)

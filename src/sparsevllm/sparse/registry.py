@@ -1,133 +1,42 @@
-"""Sparse-method registry: the single source of truth for method names, aliases,
-families, default prefill policies and knobs. Torch-free (the config imports it);
-method classes are imported lazily by `create_method`."""
+"""Sparse-method registry: method names and aliases -> the module that defines them.
+
+A method module exposes `SPEC` (a `MethodSpec`: its knobs, family, policies, class).
+Built-in methods are listed here by module path; other packages add theirs with
+`register_method(spec)` or an entry point in the `sparsevllm.sparse_methods` group
+(`name = "package.module"`, a module with a `SPEC`). Name resolution is torch-free;
+a method's module is imported the first time its spec is asked for.
+"""
 
 from __future__ import annotations
 
 import difflib
 import importlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from sparsevllm.sparse.spec import PREFILL_POLICIES, SHARED_DEFAULTS, MethodKnobs, MethodSpec
+
 if TYPE_CHECKING:
-    from sparsevllm.config import EngineConfig
-    from sparsevllm.sparse.base import SparseMethod
+    from sparsevllm.sparse.base import MethodSettings, SparseMethod
 
-PREFILL_POLICIES = ("all_chunked", "long_bs1full_short_batch")
-FAMILIES = ("dense", "physical_eviction", "logical_masking", "query_aware_selection")
-_BUDGET = ("sink_keep_tokens", "recent_keep_tokens", "decode_keep_tokens")
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    name: str
-    family: str
-    target: str  # "module:Class"
-    description: str
-    knobs: tuple[str, ...] = ()
-    prefill_policy: str = "all_chunked"
-    prefix_cache: bool = False  # storage stays a plain prefix: radix reuse is exact
-    chain_cache: bool = False  # evicted state can continue a conversation
-    # The EngineConfig field that bounds the tokens a layer keeps (eviction) or reads
-    # (selection), sink and recent included; None: the method keeps the full context.
-    # See `budget_overrides`.
-    budget_knob: str | None = None
-
-
+ENTRY_POINT_GROUP = "sparsevllm.sparse_methods"
 _M = "sparsevllm.sparse."
-METHODS: dict[str, MethodSpec] = {
-    spec.name: spec
-    for spec in [
-        MethodSpec(
-            "vanilla",
-            "dense",
-            _M + "vanilla:Vanilla",
-            "full attention, the baseline",
-            prefix_cache=True,
-        ),
-        MethodSpec(
-            "streamingllm",
-            "physical_eviction",
-            _M + "streamingllm:StreamingLLM",
-            "keep attention sinks + a recent window; evict the rest in prefill and decode",
-            ("sink_keep_tokens", "recent_keep_tokens"),
-            budget_knob="recent_keep_tokens",
-            chain_cache=True,
-        ),
-        MethodSpec(
-            "snapkv",
-            "physical_eviction",
-            _M + "snapkv:SnapKV",
-            "at prefill end keep sink + recent + the tokens the last prompt queries "
-            "attend to most, per KV head",
-            (*_BUDGET, "snapkv_window_size", "snapkv_pool_kernel_size"),
-            budget_knob="decode_keep_tokens",
-            chain_cache=True,
-        ),
-        MethodSpec(
-            "pyramidkv",
-            "physical_eviction",
-            _M + "pyramidkv:PyramidKV",
-            "SnapKV scoring with budgets shrinking from lower to upper layers",
-            (*_BUDGET, "snapkv_window_size", "snapkv_pool_kernel_size", "pyramidkv_beta"),
-            budget_knob="decode_keep_tokens",
-            prefill_policy="long_bs1full_short_batch",
-            chain_cache=True,
-        ),
-        MethodSpec(
-            "h2o",
-            "physical_eviction",
-            _M + "h2o:H2O",
-            "heavy hitters by cumulative attention + recent tokens, evicted in bursts",
-            (
-                "sink_keep_tokens",
-                "recent_keep_tokens",
-                "h2o_decode_budget",
-                "h2o_decode_eviction_interval",
-            ),
-            budget_knob="h2o_decode_budget",
-            chain_cache=True,
-        ),
-        MethodSpec(
-            "tova",
-            "physical_eviction",
-            _M + "tova:TOVA",
-            "evict the tokens the current query attends to least (head average)",
-            ("decode_keep_tokens",),
-            budget_knob="decode_keep_tokens",
-            chain_cache=True,
-        ),
-        MethodSpec(
-            "knorm",
-            "physical_eviction",
-            _M + "knorm:KNorm",
-            "keep the keys with the lowest L2 norm (query-agnostic), per KV head",
-            _BUDGET,
-            budget_knob="decode_keep_tokens",
-            chain_cache=True,
-        ),
-        MethodSpec(
-            "omnikv",
-            "logical_masking",
-            _M + "omnikv:OmniKV",
-            "dense storage; full-attention layers pick the tokens later layers read",
-            ("decode_keep_tokens", "full_attention_layers"),
-            budget_knob="decode_keep_tokens",
-            prefix_cache=True,
-        ),
-        MethodSpec(
-            "quest",
-            "query_aware_selection",
-            _M + "quest:Quest",
-            "page min/max keys; decode reads only the pages the query scores highest",
-            ("decode_keep_tokens", "quest_chunk_size", "quest_skip_layers"),
-            budget_knob="decode_keep_tokens",
-            prefix_cache=True,
-        ),
-    ]
+_MODULES: dict[str, str] = {
+    name: _M + name
+    for name in (
+        "vanilla",
+        "streamingllm",
+        "snapkv",
+        "pyramidkv",
+        "h2o",
+        "tova",
+        "knorm",
+        "omnikv",
+        "quest",
+    )
 }
-ALIASES: dict[str, str] = {
+_ALIASES: dict[str, str] = {
     "dense": "vanilla",
     "full": "vanilla",
     "attention-sink": "streamingllm",
@@ -136,6 +45,34 @@ ALIASES: dict[str, str] = {
     "pyramid": "pyramidkv",
     "heavy-hitter": "h2o",
 }
+_SPECS: dict[str, MethodSpec] = {}  # loaded or registered specs, by canonical name
+_entry_points_loaded = False
+
+
+def register_method(spec: MethodSpec, aliases: tuple[str, ...] = ()) -> None:
+    """Make `spec` available by its name (and aliases) to every entry point: `LLM`,
+    JSON configs, CLI flags, `sparsevllm methods`. Re-registering a name replaces it."""
+    taken = set(_MODULES) | set(_ALIASES) | set(_SPECS)
+    for alias in aliases:
+        if alias in taken and _ALIASES.get(alias) != spec.name:
+            raise ValueError(f"alias {alias!r} already names a method")
+    _SPECS[spec.name] = spec
+    _ALIASES.update(dict.fromkeys(aliases, spec.name))
+
+
+def unregister_method(name: str) -> None:
+    """Remove a method added with `register_method` (built-in methods stay)."""
+    if name in _MODULES:
+        raise ValueError(f"{name} is a built-in method")
+    _SPECS.pop(name, None)
+    for alias in [a for a, target in _ALIASES.items() if target == name]:
+        del _ALIASES[alias]
+
+
+def method_names() -> list[str]:
+    """Canonical names of every available method, built-ins first."""
+    _load_entry_points()
+    return list(_MODULES) + [name for name in _SPECS if name not in _MODULES]
 
 
 def canonical_method_name(name: str) -> str:
@@ -143,26 +80,70 @@ def canonical_method_name(name: str) -> str:
     if not isinstance(name, str):
         raise ValueError(f"sparse_method must be a string, got {name!r}")
     key = name.strip().lower()
-    if key in METHODS:
+    names = method_names()
+    if key in names:
         return key
-    if key in ALIASES:
-        return ALIASES[key]
-    known = sorted(METHODS) + sorted(ALIASES)
-    close = difflib.get_close_matches(key, known, n=1)
+    if key in _ALIASES:
+        return _ALIASES[key]
+    close = difflib.get_close_matches(key, names + sorted(_ALIASES), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"unknown sparse_method {name!r}{hint} (available: {', '.join(METHODS)})")
+    raise ValueError(f"unknown sparse_method {name!r}{hint} (available: {', '.join(names)})")
 
 
 def method_spec(name: str) -> MethodSpec:
-    return METHODS[canonical_method_name(name)]
+    key = canonical_method_name(name)
+    if key not in _SPECS:
+        _SPECS[key] = _spec_of_module(_MODULES[key], key)
+    return _SPECS[key]
 
 
-def method_knobs(name: str) -> tuple[str, ...]:
-    return method_spec(name).knobs
+def all_specs() -> list[MethodSpec]:
+    return [method_spec(name) for name in method_names()]
+
+
+def aliases_of(name: str) -> list[str]:
+    return sorted(a for a, target in _ALIASES.items() if target == name)
+
+
+def _spec_of_module(module: str, name: str) -> MethodSpec:
+    spec = getattr(importlib.import_module(module), "SPEC", None)
+    if not isinstance(spec, MethodSpec) or spec.name != name:
+        raise ValueError(f"module {module} defines no MethodSpec named {name!r} as SPEC")
+    return spec
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _MODULES and ep.name not in _SPECS:
+            register_method(_spec_of_module(ep.value, ep.name))
+
+
+def knob_owners(name: str) -> list[str]:
+    """The methods that have a knob called `name`."""
+    return [s.name for s in all_specs() if name in s.knobs.names()]
+
+
+def all_knob_names() -> list[str]:
+    names: dict[str, None] = {}
+    for spec in all_specs():
+        names.update(dict.fromkeys(spec.knobs.names()))
+    return list(names)
+
+
+def drop_foreign_knobs(method: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` without the knobs of other methods: settings shared by runs of several
+    methods (a quality grid's config file) apply to each method as far as they can."""
+    own = set(method_spec(method).knobs.names())
+    foreign = set(all_knob_names()) - own
+    return {k: v for k, v in values.items() if k not in foreign}
 
 
 def resolve_prefill_policy(method: str, explicit: str | None) -> str:
-    """The registry's policy for `method`; an explicit contradicting choice fails fast."""
+    """The method's policy; an explicit contradicting choice fails fast."""
     default = method_spec(method).prefill_policy
     if explicit is None:
         return default
@@ -178,15 +159,15 @@ def resolve_prefill_policy(method: str, explicit: str | None) -> str:
 
 
 def budget_overrides(
-    method: str, budget: int, config_defaults: Mapping[str, Any] | None = None
+    method: str, budget: int, shared_defaults: Mapping[str, Any] | None = None
 ) -> dict[str, int]:
-    """EngineConfig overrides that give `method` a KV budget of `budget` tokens per layer.
+    """Settings that give `method` a KV budget of `budget` tokens per layer.
 
     The method's `budget_knob` gets the budget; for streamingllm, whose budget knob is
     `recent_keep_tokens`, that is `budget - sink_keep_tokens`. `decode_keep_tokens` (the
     config's generic "KV budget per layer") is set to the budget too, so the config's
     `sink + recent <= decode_keep_tokens` check holds for every method. Sink and recent
-    come from `config_defaults` (default: EngineConfig's), clamped so that together they
+    come from `shared_defaults` (default: the engine's defaults), clamped so that together they
     never exceed the budget; at least one recent token stays when the budget is tiny.
     PyramidKV reads the budget as its mean over layers; OmniKV's full-attention layers
     and Quest's first `quest_skip_layers` layers read the whole context by design.
@@ -196,15 +177,13 @@ def budget_overrides(
         raise ValueError(f"{spec.name} keeps the whole context: it has no KV budget knob")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be a positive integer, got {budget!r}")
-    if config_defaults is None:
-        from sparsevllm.config import EngineConfig
-
-        config_defaults = EngineConfig.knob_defaults()
-    sink = min(int(config_defaults["sink_keep_tokens"]), budget - 1)
+    if shared_defaults is None:
+        shared_defaults = SHARED_DEFAULTS
+    sink = min(int(shared_defaults["sink_keep_tokens"]), budget - 1)
     if spec.budget_knob == "recent_keep_tokens":
         recent = budget - sink
     else:
-        recent = min(int(config_defaults["recent_keep_tokens"]), budget - sink)
+        recent = min(int(shared_defaults["recent_keep_tokens"]), budget - sink)
     overrides = {
         "sink_keep_tokens": sink,
         "recent_keep_tokens": recent,
@@ -215,32 +194,50 @@ def budget_overrides(
 
 
 def create_method(
-    config: EngineConfig,
+    config: MethodSettings,
     num_layers: int,
     num_kv_heads: int,
     layers: list[int] | None = None,
 ) -> SparseMethod:
     """Instantiate the configured method over `layers` (default: every layer)."""
-    module, cls = method_spec(config.sparse_method).target.split(":")
-    return getattr(importlib.import_module(module), cls)(config, num_layers, num_kv_heads, layers)
+    spec = method_spec(config.sparse_method)
+    return spec.method(config, num_layers, num_kv_heads, layers)
 
 
 def methods_table() -> list[dict[str, object]]:
     """Rows for `sparsevllm methods` (text or JSON)."""
-    from sparsevllm.config import EngineConfig
+    rows: list[dict[str, object]] = []
+    for s in all_specs():
+        knobs: dict[str, object] = {k: SHARED_DEFAULTS[k] for k in s.budget_fields}
+        knobs.update(s.knobs.defaults())
+        rows.append(
+            {
+                "name": s.name,
+                "family": s.family,
+                "prefill_policy": s.prefill_policy,
+                "aliases": aliases_of(s.name),
+                "knobs": knobs,
+                "budget_knob": s.budget_knob,
+                "prefix_cache": s.prefix_cache,
+                "chain_cache": s.chain_cache,
+                "prune": s.prune_scorer is not None,
+                "description": s.description,
+            }
+        )
+    return rows
 
-    defaults = EngineConfig.knob_defaults()
-    return [
-        {
-            "name": s.name,
-            "family": s.family,
-            "prefill_policy": s.prefill_policy,
-            "aliases": sorted(a for a, t in ALIASES.items() if t == s.name),
-            "knobs": {k: defaults[k] for k in s.knobs},
-            "budget_knob": s.budget_knob,
-            "prefix_cache": s.prefix_cache,
-            "chain_cache": s.chain_cache,
-            "description": s.description,
-        }
-        for s in METHODS.values()
-    ]
+
+def validate_knobs(method: str, values: Mapping[str, Any]) -> MethodKnobs:
+    """The method's knobs dataclass from `values`; a knob of another method, or an
+    unknown one, fails with a message naming the owner or the closest valid name."""
+    spec = method_spec(method)
+    for key in values:
+        if key in spec.knobs.names():
+            continue
+        owners = knob_owners(key)
+        if owners:
+            raise ValueError(
+                f"{key} is a knob of {', '.join(owners)}, not of sparse_method {spec.name!r}"
+                f" (its knobs: {', '.join(spec.knobs.names()) or 'none'})"
+            )
+    return spec.knobs.from_mapping(values, spec.name)

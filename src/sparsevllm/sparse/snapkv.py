@@ -13,14 +13,29 @@ result does not depend on the chunk size.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from sparsevllm.sparse.base import ScoreEviction, SeqStep, gqa_mean
+from sparsevllm.sparse.base import ScoreEviction, SeqStep, add_padded, gqa_mean
+from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
+
+
+@dataclass(frozen=True)
+class SnapKVKnobs(MethodKnobs):
+    snapkv_window_size: int = knob(
+        32, "SnapKV/PyramidKV: number of last prompt queries that score tokens.", minimum=1
+    )
+    snapkv_pool_kernel_size: int = knob(
+        7, "SnapKV/PyramidKV: max-pooling kernel over scores (1: none).", minimum=1
+    )
 
 
 class SnapKV(ScoreEviction):
     name = "snapkv"
+    knobs: SnapKVKnobs
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -28,7 +43,7 @@ class SnapKV(ScoreEviction):
         self._window: dict[int, dict[int, torch.Tensor]] = {}
 
     def score_rows(self, step: SeqStep) -> int:
-        window_start = step.prompt_len - self.config.snapkv_window_size
+        window_start = step.prompt_len - self.knobs.snapkv_window_size
         if step.is_decode or step.end <= window_start:
             return 0
         return step.end - max(step.start, window_start)
@@ -39,7 +54,7 @@ class SnapKV(ScoreEviction):
                 continue
             acc = self._window.setdefault(step.seq_id, {})
             for layer, rows in scores.items():
-                acc[layer] = _add_padded(acc.get(layer), rows[step.row])
+                acc[layer] = add_padded(acc.get(layer), rows[step.row])
         super().after_step(steps, scores, kv)
         for step in steps:
             if step.finishes_prompt:
@@ -47,7 +62,7 @@ class SnapKV(ScoreEviction):
 
     def score(self, layer, step, kv, attn):
         window = self._window[step.seq_id][layer]  # [num_heads, L]
-        return snapkv_scores(window, self.num_kv_heads, self.config.snapkv_pool_kernel_size)
+        return snapkv_scores(window, self.num_kv_heads, self.knobs.snapkv_pool_kernel_size)
 
     def release(self, seq_id: int) -> None:
         self._window.pop(seq_id, None)
@@ -62,12 +77,32 @@ def snapkv_scores(window_attn: torch.Tensor, num_kv_heads: int, kernel: int) -> 
     return votes
 
 
-def _add_padded(acc: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
-    """Sum score vectors of different lengths (a later chunk sees more keys)."""
-    if new is None:
-        return acc
-    if acc is None:
-        return new.float().clone()
-    out = new.float().clone()
-    out[:, : acc.shape[-1]] += acc
-    return out
+def prune_scores(keys: torch.Tensor, positions: torch.Tensor, knobs: MethodKnobs) -> torch.Tensor:
+    """SnapKV's vote over a cached history, which keeps keys but no queries: the keys of
+    its last `snapkv_window_size` resident entries stand in for the observation queries
+    (causal by logical position, summed over the window, max-pooled along the view).
+    Queries and keys of a token come from the same hidden state, so its key is the
+    closest stand-in the cache holds; the end of the history is what the next turn
+    continues from, as SnapKV's prompt end is. keys `[L, Hkv, D]` -> `[Hkv, L]`."""
+    assert isinstance(knobs, SnapKVKnobs)
+    k = keys.float().transpose(0, 1)  # [Hkv, L, D]
+    w = min(knobs.snapkv_window_size, k.shape[1])
+    q = k[:, -w:]  # [Hkv, w, D]: the last entries' keys as observation queries
+    logits = q @ k.transpose(1, 2) / math.sqrt(k.shape[-1])  # [Hkv, w, L]
+    future = positions[:, None, :] > positions[:, -w:, None]  # [Hkv, w, L]
+    attn = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return snapkv_scores(attn.sum(dim=1), k.shape[0], knobs.snapkv_pool_kernel_size)
+
+
+SPEC = MethodSpec(
+    name="snapkv",
+    family="physical_eviction",
+    description="at prefill end keep sink + recent + the tokens the last prompt queries "
+    "attend to most, per KV head",
+    method=SnapKV,
+    knobs=SnapKVKnobs,
+    budget_fields=SHARED_BUDGET,
+    budget_knob="decode_keep_tokens",
+    chain_cache=True,
+    prune_scorer=prune_scores,
+)

@@ -7,7 +7,10 @@ more than sink + recent + (tokens of one step) slots.
 
 from __future__ import annotations
 
+import torch
+
 from sparsevllm.sparse.base import KVAccess, SeqStep, SparseMethod
+from sparsevllm.sparse.spec import MethodKnobs, MethodSpec
 
 
 class StreamingLLM(SparseMethod):
@@ -39,3 +42,20 @@ def streaming_keep(length: int, sink: int, recent: int) -> list[int]:
     if length <= sink + recent:
         return list(range(length))
     return list(range(sink)) + list(range(length - recent, length))
+
+
+def prune_scores(keys: torch.Tensor, positions: torch.Tensor, knobs: MethodKnobs) -> torch.Tensor:
+    """Position only: a pruned range keeps its most recent tokens. `[Hkv, L]`."""
+    return positions.float()
+
+
+SPEC = MethodSpec(
+    name="streamingllm",
+    family="physical_eviction",
+    description="keep attention sinks + a recent window; evict the rest in prefill and decode",
+    method=StreamingLLM,
+    budget_fields=("sink_keep_tokens", "recent_keep_tokens"),
+    budget_knob="recent_keep_tokens",
+    chain_cache=True,
+    prune_scorer=prune_scores,
+)

@@ -9,6 +9,7 @@ a prefill chunk is cut back with its last query's attention.
 from __future__ import annotations
 
 from sparsevllm.sparse.base import SeqStep, SparseMethod
+from sparsevllm.sparse.spec import MethodSpec
 
 
 class TOVA(SparseMethod):
@@ -39,3 +40,14 @@ class TOVA(SparseMethod):
 def tova_keep(attn, budget: int) -> list[int]:
     """Positions of the `budget` tokens with the highest head-averaged attention."""
     return sorted(attn.float().mean(dim=0).topk(budget).indices.tolist())
+
+
+SPEC = MethodSpec(
+    name="tova",
+    family="physical_eviction",
+    description="evict the tokens the current query attends to least (head average)",
+    method=TOVA,
+    budget_fields=("decode_keep_tokens",),
+    budget_knob="decode_keep_tokens",
+    chain_cache=True,
+)

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from sparsevllm.sparse.base import SparseMethod
+from sparsevllm.sparse.spec import MethodSpec
 
 
 class Vanilla(SparseMethod):
     name = "vanilla"
+
+
+SPEC = MethodSpec(
+    name="vanilla",
+    family="dense",
+    description="full attention, the baseline",
+    method=Vanilla,
+    prefix_cache=True,
+)

@@ -11,15 +11,15 @@ from collections.abc import Callable
 
 from sparsevllm.bench.quality.layout import Tokenizer, WordStream, count_tokens, zipf_counts
 from sparsevllm.bench.quality.sample import (
+    Draft,
     Sample,
-    _attempts,
-    _Draft,
-    _finish,
-    _join,
-    _no_depth,
-    _positive,
-    _rng,
-    _Spec,
+    SampleSpec,
+    check_no_depth,
+    check_positive,
+    finish_sample,
+    join_items,
+    task_rng,
+    with_attempts,
 )
 from sparsevllm.bench.quality.words import coded_word, pseudo_word, unique
 
@@ -27,7 +27,7 @@ from sparsevllm.bench.quality.words import coded_word, pseudo_word, unique
 def _cwe_frequencies(
     tokenizer: Tokenizer,
     target: int,
-    render: Callable[[int, int, int], _Draft],
+    render: Callable[[int, int, int], Draft],
     num_common: int,
     freq_common: int,
     freq_uncommon: int,
@@ -64,8 +64,8 @@ def common_words_extraction(
     Needles are the list entries of the common words (every occurrence).
     """
     task = "common_words_extraction"
-    _no_depth(task, depth)
-    _positive(num_common=num_common, freq_common=freq_common, freq_uncommon=freq_uncommon)
+    check_no_depth(task, depth)
+    check_positive(num_common=num_common, freq_common=freq_common, freq_uncommon=freq_uncommon)
     header = (
         "Below is a numbered list of words. Some words occur in it more often than others; "
         "keep track of which ones are the most common."
@@ -76,7 +76,7 @@ def common_words_extraction(
     )
 
     def make(attempt: int) -> Sample | None:
-        rng = _rng(task, seed, attempt, "values")
+        rng = task_rng(task, seed, attempt, "values")
         # Two-syllable words: short in tokens, so short prompts still fit many entries.
         common = unique(lambda: pseudo_word(rng, 2, 2), num_common)
         # A rare word containing a common one (or inside it) would blur the string match.
@@ -84,26 +84,26 @@ def common_words_extraction(
             lambda: pseudo_word(rng, 2, 2), lambda w: any(c in w or w in c for c in common)
         )
 
-        def render(f_common: int, f_rare: int, n: int) -> _Draft:
+        def render(f_common: int, f_rare: int, n: int) -> Draft:
             entries = [w for w in common for _ in range(f_common)]
             entries += [w for w in rare.take(-(-n // f_rare)) for _ in range(f_rare)][:n]
             random.Random(f"{task}|{seed}|{attempt}|{n}|order").shuffle(entries)
             items = [
                 (f"{i}. {w}", w if w in common else None, True) for i, w in enumerate(entries, 1)
             ]
-            return _join(header, items, question, "\n")
+            return join_items(header, items, question, "\n")
 
         f_c, f_u = _cwe_frequencies(
             tokenizer, target_tokens, render, num_common, freq_common, freq_uncommon
         )
         knobs = dict(num_common=num_common, freq_common=f_c, freq_uncommon=f_u)
         prefix = f"The {num_common} most common words in the list are:"
-        spec = _Spec(header, question, common, [], prefix)
-        return _finish(
+        spec = SampleSpec(header, question, common, [], prefix)
+        return finish_sample(
             task, lambda n: render(f_c, f_u, n), spec, tokenizer, target_tokens, seed, None, knobs
         )
 
-    return _attempts(task, make)
+    return with_attempts(task, make)
 
 
 def _fwe_min_count(c: int, alpha: float, top_k: int) -> int:
@@ -129,8 +129,8 @@ def frequent_words_extraction(
     the answers (a word followed by a period includes it in its text).
     """
     task = "frequent_words_extraction"
-    _no_depth(task, depth)
-    _positive(top_k=top_k, word_length=word_length)
+    check_no_depth(task, depth)
+    check_positive(top_k=top_k, word_length=word_length)
     if alpha <= 0:
         raise ValueError(f"alpha must be positive, got {alpha}")
     header = "Read the coded text below and keep track of how often each coded word appears in it."
@@ -143,10 +143,10 @@ def frequent_words_extraction(
     c_min = next(c for c in itertools.count(1) if _fwe_min_count(c, alpha, top_k) >= 2)
 
     def make(attempt: int) -> Sample | None:
-        rng = _rng(task, seed, attempt, "values")
+        rng = task_rng(task, seed, attempt, "values")
         vocab = WordStream(lambda: coded_word(rng, word_length))
 
-        def render(c: int) -> _Draft:
+        def render(c: int) -> Draft:
             counts = zipf_counts(max(c, c_min), alpha, top_k)
             words = vocab.take(len(counts))
             entries = [w for w, k in zip(words, counts) for _ in range(k)]
@@ -157,10 +157,12 @@ def frequent_words_extraction(
                 (w + "." * (i % 10 == 9), w if w in top else None, True)
                 for i, w in enumerate(entries)
             ]
-            return _join(header, items, question, " ")
+            return join_items(header, items, question, " ")
 
         knobs = dict(top_k=top_k, alpha=alpha, word_length=word_length)
-        spec = _Spec(header, question, vocab.take(top_k), [], "The most frequent coded words are:")
-        return _finish(task, render, spec, tokenizer, target_tokens, seed, None, knobs)
+        spec = SampleSpec(
+            header, question, vocab.take(top_k), [], "The most frequent coded words are:"
+        )
+        return finish_sample(task, render, spec, tokenizer, target_tokens, seed, None, knobs)
 
-    return _attempts(task, make)
+    return with_attempts(task, make)

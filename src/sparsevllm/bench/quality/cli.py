@@ -177,7 +177,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         settings = json.loads(Path(args.config).read_text())
         if not isinstance(settings, dict):
             raise ValueError(f"config file {args.config} must hold a JSON object")
-        check_keys(settings, EngineConfig.field_names(), what="config key")
+        check_keys(settings, EngineConfig.option_names(), what="config key")
     if "sparse_method" in settings:
         raise ValueError("the config file sets sparse_method; choose methods with --methods")
     settings.update({name: getattr(args, name) for name, _ in ENGINE_FLAGS if name in args})

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from sparsevllm.bench.quality import TASKS
-from sparsevllm.sparse.registry import METHODS, canonical_method_name
+from sparsevllm.sparse.registry import canonical_method_name, method_names, method_spec
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
 DEFAULT_LENGTHS = (4096,)
@@ -49,7 +49,7 @@ class Cell:
 
     def budget(self, length: int) -> int | None:
         """KV budget in tokens per layer for prompts of `length`; None: the full context."""
-        if METHODS[self.method].budget_knob is None:
+        if method_spec(self.method).budget_knob is None:
             return None
         return max(1, round((1.0 - self.ratio) * length))
 
@@ -87,7 +87,7 @@ class Grid:
         """The engines to run, in order: vanilla once, every other method per ratio and length."""
         out: list[Cell] = []
         for method in self.methods:
-            if METHODS[method].budget_knob is None:
+            if method_spec(method).budget_knob is None:
                 out.append(Cell(method, 0.0, None))
             else:
                 out += [Cell(method, r, n) for r in self.ratios for n in self.lengths]
@@ -121,7 +121,7 @@ def _method_name(name: str) -> str:
     try:
         return canonical_method_name(name)
     except ValueError:
-        closest_names([name], list(METHODS), "method")  # raises, naming the closest one
+        closest_names([name], method_names(), "method")  # raises, naming the closest one
         raise
 
 
@@ -139,14 +139,14 @@ def make_grid(
     if task_list == ["all"]:
         task_list = list(TASKS)
     task_list = closest_names(task_list, list(TASKS), "task")
-    method_list = list(METHODS) if methods is None else [_method_name(m) for m in methods]
+    method_list = method_names() if methods is None else [_method_name(m) for m in methods]
     if not task_list or not method_list or not lengths:
         raise ValueError("the grid needs at least one task, method and length")
     if samples < 1 or any(int(n) < 1 for n in lengths):
         raise ValueError(f"samples and lengths must be positive, got {samples} and {list(lengths)}")
     if not all(0.0 < float(r) < 1.0 for r in ratios):
         raise ValueError(f"compression ratios must lie in (0, 1), got {list(ratios)}")
-    if not ratios and any(METHODS[m].budget_knob for m in method_list):
+    if not ratios and any(method_spec(m).budget_knob for m in method_list):
         raise ValueError("sparse methods need at least one compression ratio")
     return Grid(
         tasks=tuple(dict.fromkeys(task_list)),

@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 
 from sparsevllm.bench.quality.layout import Insert, NeedleDraws, Tokenizer
-from sparsevllm.bench.quality.sample import Sample, _haystack_task, _positive, _Spec
+from sparsevllm.bench.quality.sample import Sample, SampleSpec, check_positive, haystack_task
 
 
 def _depths(rng: random.Random, depth: float | None, count: int) -> list[float]:
@@ -22,7 +22,7 @@ def _niah_spec(
     needles: Sequence[tuple[str, str, float, bool]],
     asked: list[str],
     pin_first: bool,
-) -> _Spec:
+) -> SampleSpec:
     """Prompt text of a needle task; `needles` are (key, value, depth, required) tuples.
 
     `pin_first`: the first needle's depth was asked for and takes precedence in placement.
@@ -39,7 +39,7 @@ def _niah_spec(
             "List every one of them."
         )
         prefix = f"The special magic {noun}s for {listed} mentioned in the text above are"
-    return _Spec(
+    return SampleSpec(
         header=(
             f"A long text follows. Special magic {noun}s are hidden inside it. "
             "Memorize them: you will be asked about them afterwards."
@@ -72,14 +72,14 @@ def niah_single(
     """
     knobs = dict(haystack=haystack, key_type=key_type, value_type=value_type)
 
-    def build(rng: random.Random) -> _Spec:
+    def build(rng: random.Random) -> SampleSpec:
         draws = NeedleDraws(rng, key_type, value_type)
         key, value = draws.key(), draws.value()
         needle = (key, value, _depths(rng, depth, 1)[0], True)
         return _niah_spec(draws, [needle], [key], depth is not None)
 
     args = (tokenizer, target_tokens, seed, depth)
-    return _haystack_task("niah_single", build, haystack, args, knobs)
+    return haystack_task("niah_single", build, haystack, args, knobs)
 
 
 def niah_multikey(
@@ -98,10 +98,10 @@ def niah_multikey(
     RULER's niah_multikey_1 is this default; multikey_2/3 use haystack="needle" (every
     filler sentence is another key's needle), multikey_3 with UUID keys and values.
     """
-    _positive(num_keys=num_keys)
+    check_positive(num_keys=num_keys)
     knobs = dict(haystack=haystack, num_keys=num_keys, key_type=key_type, value_type=value_type)
 
-    def build(rng: random.Random) -> _Spec:
+    def build(rng: random.Random) -> SampleSpec:
         draws = NeedleDraws(rng, key_type, value_type)
         keys = [draws.key() for _ in range(num_keys)]
         values = [draws.value() for _ in range(num_keys)]
@@ -110,7 +110,7 @@ def niah_multikey(
         return _niah_spec(draws, needles, keys[:1], depth is not None)
 
     args = (tokenizer, target_tokens, seed, depth)
-    return _haystack_task("niah_multikey", build, haystack, args, knobs)
+    return haystack_task("niah_multikey", build, haystack, args, knobs)
 
 
 def niah_multivalue(
@@ -125,10 +125,10 @@ def niah_multivalue(
     value_type: str = "number",
 ) -> Sample:
     """One key with `num_values` values at different depths; all values are required."""
-    _positive(num_values=num_values)
+    check_positive(num_values=num_values)
     knobs = dict(haystack=haystack, num_values=num_values, key_type=key_type, value_type=value_type)
 
-    def build(rng: random.Random) -> _Spec:
+    def build(rng: random.Random) -> SampleSpec:
         draws = NeedleDraws(rng, key_type, value_type)
         key = draws.key()
         values = [draws.value() for _ in range(num_values)]
@@ -137,7 +137,7 @@ def niah_multivalue(
         return _niah_spec(draws, needles, [key], depth is not None)
 
     args = (tokenizer, target_tokens, seed, depth)
-    return _haystack_task("niah_multivalue", build, haystack, args, knobs)
+    return haystack_task("niah_multivalue", build, haystack, args, knobs)
 
 
 def niah_multiquery(
@@ -152,12 +152,12 @@ def niah_multiquery(
     value_type: str = "number",
 ) -> Sample:
     """`num_queries` keys with one value each, all asked at once; every value is required."""
-    _positive(num_queries=num_queries)
+    check_positive(num_queries=num_queries)
     knobs = dict(
         haystack=haystack, num_queries=num_queries, key_type=key_type, value_type=value_type
     )
 
-    def build(rng: random.Random) -> _Spec:
+    def build(rng: random.Random) -> SampleSpec:
         draws = NeedleDraws(rng, key_type, value_type)
         keys = [draws.key() for _ in range(num_queries)]
         values = [draws.value() for _ in range(num_queries)]
@@ -166,4 +166,4 @@ def niah_multiquery(
         return _niah_spec(draws, needles, keys, depth is not None)
 
     args = (tokenizer, target_tokens, seed, depth)
-    return _haystack_task("niah_multiquery", build, haystack, args, knobs)
+    return haystack_task("niah_multiquery", build, haystack, args, knobs)

@@ -8,12 +8,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparsevllm.bench.quality.grid import Grid, Key, make_key
-
-if TYPE_CHECKING:
-    from sparsevllm.bench.quality.runner import RunSettings
+from sparsevllm.bench.quality.settings import ANSWER_SEP, ENGINE_DEFAULTS, RunSettings
 
 BUDGET_RULE = "budget = round((1 - ratio) * length) KV tokens per layer; vanilla: ratio 0"
 
@@ -91,7 +89,6 @@ def build_report(
     elapsed_s: float,
 ) -> dict[str, Any]:
     """The aggregate JSON: metadata, per-cell rows and the per-(method, ratio) summary."""
-    from sparsevllm.bench.quality.runner import ANSWER_SEP, ENGINE_DEFAULTS
 
     rows = aggregate(grid, records)
     engine = {**ENGINE_DEFAULTS, **settings.engine}

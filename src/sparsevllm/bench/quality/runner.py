@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,12 @@ from tqdm.auto import tqdm
 
 from sparsevllm.bench.quality import Sample, generate, prompt_hash, score
 from sparsevllm.bench.quality.grid import KEY_FIELDS, Cell, Grid, Key, describe, make_key
+from sparsevllm.bench.quality.report import build_report
+from sparsevllm.bench.quality.settings import ANSWER_SEP, RunSettings
 from sparsevllm.config import EngineConfig
 from sparsevllm.llm import LLM
 from sparsevllm.sampling import SamplingParams
-from sparsevllm.sparse.registry import budget_overrides
 
-ANSWER_SEP = "\n\n"  # between the question and the answer prefix
 # Fewest output tokens per task; more when the answers are long (see `max_tokens_for`).
 MAX_TOKENS_FLOOR = {
     "niah_single": 32,
@@ -41,8 +41,6 @@ MAX_TOKENS_FLOOR = {
     "common_words_extraction": 128,
     "frequent_words_extraction": 64,
 }
-# Engine settings of the runner unless given: the samples are independent requests.
-ENGINE_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": False}
 
 
 @dataclass
@@ -53,31 +51,6 @@ class Item:
     length: int  # the grid's target length
     ids: list[int]  # the prompt's token ids, as fed to the engine
     max_tokens: int
-
-
-@dataclass
-class RunSettings:
-    """How to run: the model, the engine settings every cell shares, the prompt format."""
-
-    model: str
-    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields but `model`
-    chat: bool = False
-    max_tokens: int | None = None  # overrides the per-task sizing
-    progress: bool = True
-
-    @property
-    def ident(self) -> dict[str, Any]:
-        """What a stored record must share with this run to be reused."""
-        return {"model": os.path.basename(str(self.model).rstrip("/")), "chat": self.chat}
-
-    def engine_kwargs(self, cell: Cell) -> dict[str, Any]:
-        """EngineConfig fields of a cell's engine: shared settings plus the budget knobs."""
-        kwargs = {**ENGINE_DEFAULTS, **self.engine, "sparse_method": cell.method}
-        budget = None if cell.length is None else cell.budget(cell.length)
-        if budget is not None:
-            knobs = {**EngineConfig.knob_defaults(), **kwargs}
-            kwargs.update(budget_overrides(cell.method, budget, knobs))
-        return kwargs
 
 
 # ------------------------------------------------------------------------ samples
@@ -238,7 +211,7 @@ def run_cell(cell: Cell, items: list[Item], settings: RunSettings) -> tuple[list
         "method": cell.method,
         "ratio": cell.ratio,
         "length": cell.length,
-        "knobs": llm.engine.method.knobs(),
+        "knobs": llm.engine.method.knob_values(),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
         "num_samples": len(items),
@@ -308,7 +281,6 @@ def run_quality(
     Records go to `records_path` (default: `json_path` with the suffix `.jsonl`).
     Returns the report: metadata, per-cell accuracy and a per-(method, ratio) summary.
     """
-    from sparsevllm.bench.quality.report import build_report
 
     json_path = Path(json_path)
     records_path = Path(records_path) if records_path else json_path.with_suffix(".jsonl")

@@ -1,8 +1,8 @@
 """Samples of the synthetic quality tasks, their scoring, and the drivers shared by the tasks.
 
-A task draws a `_Spec` (header, question, answers, inserts), renders `_Draft` prompts for
-growing filler sizes, fits the length (`_finish`) and redraws until the answers occur in
-the prompt only inside their needles (`_attempts`).
+A task draws a `SampleSpec` (header, question, answers, inserts), renders `Draft` prompts for
+growing filler sizes, fits the length (`finish_sample`) and redraws until the answers occur in
+the prompt only inside their needles (`with_attempts`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Sample:
 
 
 @dataclass
-class _Draft:
+class Draft:
     prompt: str
     needles: list[Needle]
     distractors: list[Needle]
@@ -71,7 +71,7 @@ class _Draft:
 
 
 @dataclass
-class _Spec:
+class SampleSpec:
     header: str
     question: str
     answers: list[str]
@@ -115,7 +115,7 @@ def prompt_hash(sample: Sample) -> str:
 # ------------------------------------------------------------------- layout and length
 
 
-def _join(header: str, items: Sequence[Item], question: str, sep: str) -> _Draft:
+def join_items(header: str, items: Sequence[Item], question: str, sep: str) -> Draft:
     """Lay out header, context items and question, recording where valued items start."""
     start = len(header) + len(_SEP)
     chunks: list[str] = []
@@ -134,7 +134,7 @@ def _join(header: str, items: Sequence[Item], question: str, sep: str) -> _Draft
     needles = [Needle(v, t, o, (o - start) / size) for v, t, o, req in spans if req]
     distractors = [Needle(v, t, o, (o - start) / size) for v, t, o, req in spans if not req]
     prompt = header + _SEP + context + _SEP + question
-    return _Draft(prompt, needles, distractors, (start, start + len(context)))
+    return Draft(prompt, needles, distractors, (start, start + len(context)))
 
 
 def _answers_only_in_needles(
@@ -150,10 +150,10 @@ def _answers_only_in_needles(
     return True
 
 
-def _finish(
+def finish_sample(
     task: str,
-    render: Callable[[int], _Draft],
-    spec: _Spec,
+    render: Callable[[int], Draft],
+    spec: SampleSpec,
     tokenizer: Tokenizer,
     target: int,
     seed: int,
@@ -182,12 +182,12 @@ def _finish(
     )
 
 
-def _rng(task: str, seed: int, attempt: int, stream: str) -> random.Random:
+def task_rng(task: str, seed: int, attempt: int, stream: str) -> random.Random:
     # String seeds are hashed with sha512 by `random`, so they are stable across runs.
     return random.Random(f"{task}|{seed}|{attempt}|{stream}")
 
 
-def _attempts(task: str, make: Callable[[int], Sample | None]) -> Sample:
+def with_attempts(task: str, make: Callable[[int], Sample | None]) -> Sample:
     """Run `make(attempt)` until a draw passes the answer checks."""
     for attempt in range(_MAX_ATTEMPTS):
         sample = make(attempt)
@@ -196,14 +196,14 @@ def _attempts(task: str, make: Callable[[int], Sample | None]) -> Sample:
     raise RuntimeError(f"{task}: no valid draw in {_MAX_ATTEMPTS} attempts")
 
 
-def _no_depth(task: str, depth: float | None) -> None:
+def check_no_depth(task: str, depth: float | None) -> None:
     if depth is not None:
         raise ValueError(f"{task} spreads its answers over the whole list; depth does not apply")
 
 
-def _haystack_task(
+def haystack_task(
     task: str,
-    build: Callable[[random.Random], _Spec],
+    build: Callable[[random.Random], SampleSpec],
     haystack: str,
     args: tuple[Tokenizer, int, int, float | None],
     knobs: dict[str, Any],
@@ -212,18 +212,20 @@ def _haystack_task(
     tokenizer, target, seed, depth = args
 
     def make(attempt: int) -> Sample | None:
-        spec = build(_rng(task, seed, attempt, "values"))
-        hay = Haystack(haystack, _rng(task, seed, attempt, "haystack"), spec.distractor)
+        spec = build(task_rng(task, seed, attempt, "values"))
+        hay = Haystack(haystack, task_rng(task, seed, attempt, "haystack"), spec.distractor)
 
-        def render(n: int) -> _Draft:
-            return _join(spec.header, place_inserts(hay.take(n), spec.inserts), spec.question, " ")
+        def render(n: int) -> Draft:
+            return join_items(
+                spec.header, place_inserts(hay.take(n), spec.inserts), spec.question, " "
+            )
 
-        return _finish(task, render, spec, tokenizer, target, seed, depth, knobs)
+        return finish_sample(task, render, spec, tokenizer, target, seed, depth, knobs)
 
-    return _attempts(task, make)
+    return with_attempts(task, make)
 
 
-def _positive(**counts: int) -> None:
+def check_positive(**counts: int) -> None:
     for name, value in counts.items():
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")

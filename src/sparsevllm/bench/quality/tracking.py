@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from sparsevllm.bench.quality.layout import Insert, Tokenizer
-from sparsevllm.bench.quality.sample import Sample, _haystack_task, _positive, _Spec
+from sparsevllm.bench.quality.sample import Sample, SampleSpec, check_positive, haystack_task
 from sparsevllm.bench.quality.words import magic_number, unique, variable_name
 
 
@@ -25,13 +25,13 @@ def variable_tracking(
     Each chain's assignments appear in order; `depth` pins chain 0's first assignment and
     its hops follow at random depths after it. All num_hops + 1 variables are required.
     """
-    _positive(num_chains=num_chains, num_hops=num_hops)
+    check_positive(num_chains=num_chains, num_hops=num_hops)
     if haystack == "needle":
         raise ValueError("variable_tracking has no needle haystack")
     knobs = dict(haystack=haystack, num_chains=num_chains, num_hops=num_hops)
     size = num_hops + 1
 
-    def build(rng: random.Random) -> _Spec:
+    def build(rng: random.Random) -> SampleSpec:
         names = unique(lambda: variable_name(rng), num_chains * size)
         values = unique(lambda: magic_number(rng, 5), num_chains)
         inserts: list[Insert] = []
@@ -49,7 +49,7 @@ def variable_tracking(
                 for i, (t, n, d) in enumerate(zip(texts, chain, depths))
             ]
         value = values[0]
-        return _Spec(
+        return SampleSpec(
             header=(
                 "Memorize the variable assignments hidden in the text below; "
                 "you will be asked about them afterwards."
@@ -64,4 +64,4 @@ def variable_tracking(
         )
 
     args = (tokenizer, target_tokens, seed, depth)
-    return _haystack_task("variable_tracking", build, haystack, args, knobs)
+    return haystack_task("variable_tracking", build, haystack, args, knobs)

@@ -1,6 +1,6 @@
 """Correctness check + timing of the Triton attention kernels on a CUDA GPU.
 
-    python -m sparsevllm.attention.triton.bench_kernels --json out.json
+    python -m sparsevllm.bench.kernels --json out.json
 
 * Decode: batch 64 x 8K context, Llama-3-8B layer shapes (Hq 32, Hkv 8, D 128, bf16),
   views over randomly permuted slots, for 1 split, the automatic choice and a sweep;
@@ -244,7 +244,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_kernels needs a CUDA GPU")
+        raise SystemExit("bench.kernels needs a CUDA GPU")
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     if args.split_sweep:

@@ -1,0 +1,62 @@
+"""Every EngineConfig setting and every method knob as a command-line flag (kebab-case),
+and the config those flags describe. Shared by `sparsevllm generate`, `serve` and the
+benchmarks, so each of them accepts the same engine flags."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Any
+
+from sparsevllm.config import FIELD_HELP, EngineConfig
+from sparsevllm.sparse.registry import all_specs, knob_owners
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field and per method knob, same name in kebab-case."""
+    group = parser.add_argument_group("engine (EngineConfig fields)")
+    group.add_argument(
+        "--config", metavar="FILE", help="JSON file of engine settings; flags override it."
+    )
+    hints = typing.get_type_hints(EngineConfig)
+    for name in EngineConfig.field_names():
+        default = EngineConfig.knob_defaults()[name]
+        _add_setting(group, name, _base_type(hints[name]), FIELD_HELP[name], default)
+    seen: set[str] = set()  # knobs shared by several methods (PyramidKV extends SnapKV's)
+    for spec in all_specs():
+        names = [n for n in spec.knobs.names() if n not in seen]
+        if not names:
+            continue
+        owners = ", ".join(knob_owners(names[0]))
+        knobs = parser.add_argument_group(f"knobs of {owners} (see sparsevllm methods)")
+        for name in names:
+            default = spec.knobs.defaults()[name]
+            _add_setting(knobs, name, spec.knobs.type_of(name), spec.knobs.help(name), default)
+        seen.update(names)
+
+
+def _add_setting(group: Any, name: str, kind: type, help_text: str, default: Any) -> None:
+    flag = "--" + name.replace("_", "-")
+    shown = "unset" if default is None else default
+    text = f"{help_text} (default: {shown})".replace("%", "%%")
+    if kind is bool:
+        group.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text
+        )
+        return
+    # A tuple is a comma-separated list, parsed by the knob's validation.
+    parse = kind if kind in (int, float) else str
+    group.add_argument(flag, type=parse, default=argparse.SUPPRESS, help=text)
+
+
+def _base_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = EngineConfig.option_names()
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if getattr(args, "config", None):
+        return EngineConfig.from_json(args.config, **given)
+    return EngineConfig.from_dict(given)

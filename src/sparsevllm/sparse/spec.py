@@ -1,0 +1,199 @@
+"""What a method declares about itself: its knobs (a frozen dataclass) and its spec.
+
+A method module defines both beside its code:
+
+    @dataclass(frozen=True)
+    class MyKnobs(MethodKnobs):
+        my_window: int = knob(32, "Queries that vote.", minimum=1)
+
+    SPEC = MethodSpec(name="mine", family="physical_eviction", method=Mine, knobs=MyKnobs,
+                      description="...", budget_knob="decode_keep_tokens", chain_cache=True)
+
+Knob names are global (they are `LLM(...)` keyword arguments, JSON keys and CLI flags
+next to the engine's own settings), so a method prefixes its own (`snapkv_window_size`);
+methods that share a scoring rule may share a knobs class (PyramidKV extends SnapKV's).
+Torch-free: validation is plain Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    import torch
+
+    from sparsevllm.sparse.base import SparseMethod
+
+FAMILIES = ("dense", "physical_eviction", "logical_masking", "query_aware_selection")
+PREFILL_POLICIES = ("all_chunked", "long_bs1full_short_batch")
+# Engine settings every budgeted method reads (EngineConfig fields, shared by methods).
+SHARED_DEFAULTS: dict[str, int] = {
+    "sink_keep_tokens": 4,
+    "recent_keep_tokens": 32,
+    "decode_keep_tokens": 2048,
+}
+SHARED_BUDGET = tuple(SHARED_DEFAULTS)
+
+
+def knob(
+    default: Any,
+    help: str,  # noqa: A002 (the argparse word)
+    *,
+    minimum: float | None = None,
+) -> Any:
+    """A knob field: its default, its help text (CLI and `sparsevllm methods`) and an
+    inclusive lower bound checked at construction."""
+    return dataclasses.field(default=default, metadata={"help": help, "minimum": minimum})
+
+
+@dataclass(frozen=True)
+class MethodKnobs:
+    """Base of every method's knobs dataclass: validates types and bounds once.
+
+    A subclass adds fields made with `knob(...)` and may extend `__post_init__` for
+    checks across its knobs (call super first)."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = _coerce(f.name, getattr(self, f.name), hints[f.name])
+            low = f.metadata.get("minimum")
+            if low is not None and value is not None and value < low:
+                raise ValueError(f"{f.name} must be >= {low}, got {value}")
+            object.__setattr__(self, f.name, value)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        return str(next(f for f in dataclasses.fields(cls) if f.name == name).metadata["help"])
+
+    @classmethod
+    def type_of(cls, name: str) -> type:
+        """The knob's value type without Optional (`int`, `float`, `bool`, `str`, `tuple`)."""
+        return _base_type(typing.get_type_hints(cls)[name])
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], method: str) -> MethodKnobs:
+        """Validate `values` (a subset of the knobs); unknown names fail with the closest."""
+        for key in values:
+            if key not in cls.names():
+                close = difflib.get_close_matches(key, cls.names(), n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                valid = ", ".join(cls.names()) or "none"
+                raise ValueError(f"unknown knob {key!r} of {method}{hint} (its knobs: {valid})")
+        return cls(**values)
+
+    def values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.names()}
+
+
+@dataclass(frozen=True)
+class NoKnobs(MethodKnobs):
+    """For methods without knobs of their own."""
+
+
+# Scores a cached history's entries for pruning: (keys `[L, Hkv, D]`, logical positions
+# `[Hkv, L]`, the scoring method's knobs) -> `[Hkv, L]` float32 importance (higher kept).
+PruneScorer = Callable[["torch.Tensor", "torch.Tensor", MethodKnobs], "torch.Tensor"]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What the host asks a method about before it runs one (never which method it is).
+
+    - `family`: one of FAMILIES, for listings and docs.
+    - `prefill_policy`: the default prefill policy (an explicit contradicting one fails).
+    - `budget_fields`: the shared EngineConfig budget settings the method reads.
+    - `budget_knob`: the setting (shared or the method's own) that bounds the tokens a
+      layer keeps or reads, sink and recent included; None: the full context is kept.
+    - `prefix_cache`: storage stays a plain prefix, so radix reuse is exact.
+    - `chain_cache`: evicted state can continue a conversation (the chain cache).
+    - `prune_scorer`: how the method scores a cached history's tokens when it serves
+      as the scorer of `LLM.prune` (None: it cannot).
+    """
+
+    name: str
+    family: str
+    description: str
+    method: type[SparseMethod]
+    knobs: type[MethodKnobs] = NoKnobs
+    budget_fields: tuple[str, ...] = ()
+    budget_knob: str | None = None
+    prefill_policy: str = "all_chunked"
+    prefix_cache: bool = False
+    chain_cache: bool = False
+    prune_scorer: PruneScorer | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(
+                f"prefill_policy must be one of {', '.join(PREFILL_POLICIES)}, "
+                f"got {self.prefill_policy!r}"
+            )
+        unknown = set(self.budget_fields) - set(SHARED_BUDGET)
+        if unknown:
+            raise ValueError(f"budget_fields must be among {SHARED_BUDGET}, got {sorted(unknown)}")
+        own = (*self.budget_fields, *self.knobs.names())
+        if self.budget_knob is not None and self.budget_knob not in own:
+            raise ValueError(f"budget_knob {self.budget_knob!r} is none of {self.name}'s settings")
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """Every setting the method reads: shared budget fields, then its own knobs."""
+        return (*self.budget_fields, *self.knobs.names())
+
+
+def _base_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (Union, types.UnionType) and len(args) == 1:
+        hint = args[0]
+    origin = typing.get_origin(hint)
+    return origin if origin is not None else hint
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Check `value` against the knob's annotation; JSON and CLI forms are converted
+    (an int where a float belongs, a comma-separated string or a list for a tuple)."""
+    optional = type(None) in typing.get_args(hint)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{name} must be set, got None")
+    kind = _base_type(hint)
+    if kind is tuple:
+        return _coerce_tuple(name, value)
+    if isinstance(value, bool) and kind is not bool:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if kind is float and isinstance(value, int):
+        return float(value)
+    if not isinstance(value, kind):
+        raise ValueError(f"{name} has the wrong type: got {type(value).__name__} {value!r}")
+    return value
+
+
+def _coerce_tuple(name: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, str):
+        try:
+            value = [int(x) for x in value.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ValueError(f"{name} must be comma-separated integers, got {value!r}") from None
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+    ):
+        raise ValueError(f"{name} must be non-negative integers, got {value!r}")
+    return tuple(sorted(set(value)))
