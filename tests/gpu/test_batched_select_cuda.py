@@ -111,7 +111,10 @@ def test_engine_selection_is_sync_free_on_cuda(tiny_model_factory, method, monke
     from sparsevllm import LLM, SamplingParams
 
     model = tiny_model_factory("llama4")
-    knobs = {"omnikv": {"full_attention_layers": (0, 2)}, "quest": {"quest_skip_layers": 1}}
+    knobs = {
+        "omnikv": {"full_attention_layers": (0, 2)},
+        "quest": {"quest_skip_layers": 1, "quest_chunk_size": 4},
+    }
     llm = LLM(
         model,
         device="cuda",
@@ -121,7 +124,6 @@ def test_engine_selection_is_sync_free_on_cuda(tiny_model_factory, method, monke
         sparse_method=method,
         decode_keep_tokens=16,
         recent_keep_tokens=4,
-        quest_chunk_size=4,
         **knobs[method],
     )
     cls = type(llm.engine.method)
