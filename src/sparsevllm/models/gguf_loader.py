@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -93,6 +94,9 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 _CACHE: dict[tuple[Any, ...], Any] = {}
 _CACHE_FILES = 2  # files whose parsed contents stay in memory
+# The weights are dequantized on a worker thread while the config and tokenizer are
+# built (loader._prefetch_gguf_weights): the memo's bookkeeping is done under a lock.
+_CACHE_LOCK = threading.Lock()
 
 
 def _cached(fn: Callable[..., Any], path: str, *args: Any) -> Any:
@@ -101,13 +105,16 @@ def _cached(fn: Callable[..., Any], path: str, *args: Any) -> Any:
     st = os.stat(path)
     ident = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     key = (fn.__name__, ident, *args)
-    if key not in _CACHE:
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+    value = fn(path, *args)
+    with _CACHE_LOCK:
         files = list(dict.fromkeys(k[1] for k in _CACHE))
         if ident not in files and len(files) >= _CACHE_FILES:
             for k in [k for k in _CACHE if k[1] == files[0]]:
                 del _CACHE[k]
-        _CACHE[key] = fn(path, *args)
-    return _CACHE[key]
+        return _CACHE.setdefault(key, value)
 
 
 def read_gguf(path: str) -> GGUFFile:
