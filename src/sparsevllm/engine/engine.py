@@ -18,7 +18,7 @@ from sparsevllm.engine.overlap import OverlapStepper
 from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.prune import PruneResult, prune_cache
 from sparsevllm.engine.radix_tiers import RadixTiers
-from sparsevllm.engine.runner import ModelRunner
+from sparsevllm.engine.runner import ModelRunner, resolve_device
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.models.loader import load_model_source
@@ -36,6 +36,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        resolve_device(config.device)  # e.g. cuda on a machine without: fail before loading
         self.source = load_model_source(config.model, config.tokenizer, config.load_format)
         self.tokenizer = self.source.tokenizer
         self.eos_token_ids = self.source.eos_token_ids
