@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -230,3 +231,16 @@ def test_engine_step_without_partial_outputs(llm):
         finals[partial] = [(o.text, o.token_ids, o.finish_reason) for o in outs]
         assert sorted(o.request_id for o in outs) == sorted(ids)
     assert finals[True] == finals[False]
+
+
+def test_model_given_as_a_json_config_of_any_name(tiny_llama, tmp_path):
+    """Problem 8: `--model my-model.json` was refused with "<dir> has no config.json"."""
+    config = tmp_path / "my-model.json"
+    config.write_text((Path(tiny_llama) / "config.json").read_text())
+    llm = LLM(str(config), load_format="dummy", max_model_len=64, num_kv_slots=256)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].token_ids) == 2
+    engine_settings = tmp_path / "engine.json"
+    engine_settings.write_text('{"max_num_seqs": 4}')
+    with pytest.raises(ValueError, match="not a Hugging Face model config.*--config"):
+        LLM(str(engine_settings), load_format="dummy")

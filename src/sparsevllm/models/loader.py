@@ -44,8 +44,6 @@ def detect_format(path: str, load_format: str) -> str:
 
 def load_model_source(model: str | None, tokenizer: str | None, load_format: str) -> ModelSource:
     """Resolve the model path (bundled default if None), its HF config and tokenizer."""
-    from transformers import AutoConfig
-
     if model is None:
         from sparsevllm.models.default_model import default_model_path
 
@@ -62,10 +60,7 @@ def load_model_source(model: str | None, tokenizer: str | None, load_format: str
         hf_config = load_gguf_config(model)  # parses the file; the weights reuse the parse
         weights = _prefetch_gguf_weights(model)
     else:
-        config_dir = os.path.dirname(model) if model.endswith(".json") else model
-        if not os.path.exists(os.path.join(config_dir, "config.json")):
-            raise FileNotFoundError(f"{config_dir!r} has no config.json")
-        hf_config = AutoConfig.from_pretrained(config_dir)
+        hf_config = _hf_config(model)
     # Fails early on unsupported architectures. A model class may narrow the config to
     # the part it runs (multimodal Gemma 3 -> its text config) before the engine sizes
     # the KV pool from it.
@@ -74,6 +69,32 @@ def load_model_source(model: str | None, tokenizer: str | None, load_format: str
         hf_config = adapt(hf_config)
     tok = _load_tokenizer(tokenizer or model)
     return ModelSource(model, fmt, hf_config, tok, _eos_ids(model, hf_config, tok), weights)
+
+
+def _hf_config(model: str) -> Any:
+    """The HF config of a model directory (its config.json) or of a JSON file of any name."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise FileNotFoundError(f"model directory {model!r} has no config.json")
+        return AutoConfig.from_pretrained(model)
+    if not model.endswith(".json"):
+        raise ValueError(
+            f"model {model!r} is neither a directory, a .gguf file nor a .json config "
+            "(set load_format to say how to read it)"
+        )
+    try:
+        with open(model) as f:
+            values = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model config {model!r} is not valid JSON: {e}") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ValueError(
+            f"{model!r} is not a Hugging Face model config (it has no model_type); engine "
+            "settings go to --config (LLM.from_config), not --model"
+        )
+    return AutoConfig.from_pretrained(model)
 
 
 def _prefetch_gguf_weights(path: str) -> Future[dict[str, torch.Tensor]]:
