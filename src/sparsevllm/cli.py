@@ -188,7 +188,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """The whole parser; without `with_bench`, `bench` has no sub-commands (their modules
+    import torch, seconds that `--help` or a usage error of another command need not pay)."""
     parser = ArgumentParser(
         prog="sparsevllm",
         description="Sparse-vLLM: a sparse-first LLM inference engine.",
@@ -206,20 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub, add_engine_args)
     _add_methods(sub)
     _add_serve(sub)
-    _add_bench(sub)
+    _add_bench(sub, with_bench)
     return parser
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from sparsevllm.bench import multiturn, throughput
-    from sparsevllm.bench.quality import cli as quality
-
+def _add_bench(sub: argparse._SubParsersAction, with_kinds: bool) -> None:
     p = sub.add_parser(
         "bench",
         help="Benchmarks: throughput, multiturn, quality.",
         description="Benchmarks that write JSON reports (see docs/benchmarks/).",
     )
     kinds = p.add_subparsers(dest="bench", required=True)
+    if not with_kinds:
+        return
+    from sparsevllm.bench import multiturn, throughput
+    from sparsevllm.bench.quality import cli as quality
+
     throughput.add_parser(kinds, add_engine_args)
     multiturn.add_parser(kinds, add_engine_args)
     quality.add_parser(kinds)
@@ -227,7 +231,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        argv = sys.argv[1:] if argv is None else argv
+        args = build_parser(with_bench="bench" in argv).parse_args(argv)
         logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except (UsageError, ValueError, FileNotFoundError) as e:
