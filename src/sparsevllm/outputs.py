@@ -7,8 +7,8 @@ engine runs every sample as its own request, so what it reports has one completi
 
 For the single-completion case, `RequestOutput` also answers `text`, `token_ids`,
 `finish_reason`, `stop_reason`, `logprobs`, `cumulative_logprob` and `text_delta`
-directly (they are those of `outputs[0]`); with several completions these raise a
-ValueError that points at `outputs[i]`.
+directly, and take assignments (they are those of `outputs[0]`); with several
+completions these raise a ValueError that points at `outputs[i]`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,22 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class _OnlyCompletion:
+    """A CompletionOutput field read and written through its RequestOutput, for the
+    single-completion case (`out.text` is `out.outputs[0].text`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: RequestOutput | None, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj._only(self.name), self.name)
+
+    def __set__(self, obj: RequestOutput, value: Any) -> None:
+        setattr(obj._only(self.name), self.name, value)
 
 
 @dataclass
@@ -91,33 +107,13 @@ class RequestOutput:
             )
         return self.outputs[0]
 
-    @property
-    def text(self) -> str:
-        return self._only("text").text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._only("token_ids").token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._only("finish_reason").finish_reason
-
-    @property
-    def stop_reason(self) -> str | int | None:
-        return self._only("stop_reason").stop_reason
-
-    @property
-    def logprobs(self) -> list[TokenLogprobs] | None:
-        return self._only("logprobs").logprobs
-
-    @property
-    def cumulative_logprob(self) -> float | None:
-        return self._only("cumulative_logprob").cumulative_logprob
-
-    @property
-    def text_delta(self) -> str:
-        return self._only("text_delta").text_delta
+    text = _OnlyCompletion()
+    token_ids = _OnlyCompletion()
+    finish_reason = _OnlyCompletion()
+    stop_reason = _OnlyCompletion()
+    logprobs = _OnlyCompletion()
+    cumulative_logprob = _OnlyCompletion()
+    text_delta = _OnlyCompletion()
 
 
 def request_output(seq: Sequence, text: str, text_delta: str) -> RequestOutput:
