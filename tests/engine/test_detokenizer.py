@@ -123,7 +123,8 @@ def test_incremental_equals_full_decode_on_random_tokens(
             # Whatever was emitted is final: it never needs to be taken back.
             assert expected.startswith(detok.text)
         detok.flush()
-        assert detok.text == expected, ids
+        # A stream that ends mid-character drops the incomplete tail (no U+FFFD at the end).
+        assert detok.text == expected.rstrip("\ufffd"), ids
 
 
 def test_special_tokens_skipped_or_kept(smol: PreTrainedTokenizerBase) -> None:
@@ -159,13 +160,23 @@ def test_byte_fallback_utf8_held_back(sp_like: PreTrainedTokenizerFast) -> None:
     assert deltas == ["", "", "", "😀", "", "é", " how", ""]
 
 
-def test_flush_releases_dangling_partial_character(sp_like: PreTrainedTokenizerFast) -> None:
+def test_flush_drops_dangling_partial_character(sp_like: PreTrainedTokenizerFast) -> None:
+    """Problem 7: a stream cut (max_tokens) in the middle of a character ends before it
+    instead of with U+FFFD."""
     byte_ids = [sp_like.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "😀".encode()[:2]]
     detok = IncrementalDetokenizer(sp_like, [3])
-    assert [detok.add(t) for t in byte_ids] == ["", ""]
-    tail = detok.flush()
-    assert tail and set(tail) == {"\ufffd"}
+    assert [detok.add(t) for t in [4, *byte_ids]] == [" world", "", ""]
+    assert detok.flush() == "" and detok.text == " world"
     assert detok.flush() == ""
+
+
+def test_cut_mid_character_ends_with_whole_characters(smol: PreTrainedTokenizerBase) -> None:
+    ids = smol.encode("Paris est belle 😀")
+    assert "\ufffd" in smol.decode(ids[:-1])  # the emoji spans the last tokens
+    deltas = stream(smol, smol.encode("Hi"), ids[:-1])
+    assert "".join(deltas) == smol.decode(ids[:-1]).rstrip("\ufffd")
+    assert "".join(deltas).startswith("Paris est belle")
+    assert all("\ufffd" not in d for d in deltas)
 
 
 # ---------------------------------------------------------------------- stop strings

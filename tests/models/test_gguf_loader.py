@@ -343,3 +343,84 @@ def test_tokenizer_with_broken_merges_is_refused() -> None:
     check_tokenizer_merges(_FakeTokenizer(merges=True), "ok.gguf")
     with pytest.raises(ValueError, match="garbled"):
         check_tokenizer_merges(_FakeTokenizer(merges=False), "broken.gguf")
+
+
+# ---------------------------------------------------------------- one parse per start
+
+
+def test_config_and_tokenizer_match_transformers_loaders(
+    smollm_path: str, hf_reference: tuple
+) -> None:
+    """Built from our one parse, the config and the tokenizer equal what transformers'
+    own `from_pretrained(gguf_file=...)` loaders give."""
+    from sparsevllm.models.gguf_file import read_gguf_file
+    from sparsevllm.models.gguf_transformers import build_config, build_tokenizer
+
+    parsed = read_gguf_file(smollm_path)
+    ours, ref = build_config(parsed).to_dict(), hf_reference[0].to_dict()
+    ours.pop("_name_or_path"), ref.pop("_name_or_path")
+    assert ours == ref
+    dirname, basename = os.path.split(smollm_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(dirname, gguf_file=basename)
+    tok = build_tokenizer(parsed)
+    texts = [
+        "Hello world",
+        " the and of",
+        "élan 日本語 🤖\n\n  x",
+        "<|im_start|>user\nhi<|im_end|>",
+    ]
+    for text in texts:
+        assert tok.encode(text) == theirs.encode(text)
+        assert tok.decode(tok.encode(text)) == theirs.decode(theirs.encode(text))
+    chat = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True) == (
+        theirs.apply_chat_template(chat, add_generation_prompt=True)
+    )
+    assert tok.special_tokens_map == theirs.special_tokens_map
+    assert tok.all_special_ids == theirs.all_special_ids and len(tok) == len(theirs)
+
+
+def test_engine_start_parses_the_gguf_file_once(
+    smollm_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Config, tokenizer and weights come from one parse: no `gguf.GGUFReader`, no
+    transformers GGUF loader, and our own header reader runs once."""
+    import transformers.integrations.gguf as hf_gguf
+    import transformers.integrations.gguf.reader as hf_gguf_reader
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf_utils
+
+    from sparsevllm.config import EngineConfig
+    from sparsevllm.engine.engine import LLMEngine
+    from sparsevllm.models import gguf_file, gguf_loader
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a second parse of the GGUF file")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    monkeypatch.setattr(hf_gguf_utils, "load_gguf_checkpoint", refuse)
+    monkeypatch.setattr(hf_gguf_reader, "read_gguf_metadata", refuse)
+    monkeypatch.setattr(hf_gguf, "read_gguf_metadata", refuse)
+    calls = []
+    real = gguf_file.read_gguf_file
+    monkeypatch.setattr(gguf_loader, "read_gguf_file", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(gguf_loader, "_CACHE", {})
+    engine = LLMEngine(EngineConfig(max_model_len=256, num_kv_slots=512))
+    assert calls == [smollm_path]
+    assert engine.tokenizer.encode("Hi") and engine.source.hf_config.vocab_size == 49152
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "Q6_K"])
+def test_dequantize_matches_gguf_library(qtype: str) -> None:
+    from sparsevllm.models.gguf_dequant import dequantize
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(0)
+    if kind == gguf.GGMLQuantizationType.F16:
+        data = rng.standard_normal((6, 256)).astype(np.float16)
+    else:  # every bit pattern of the blocks, scales included (NaN where they say so)
+        shape = gguf.quants.quant_shape_to_byte_shape((6, 256), kind)
+        data = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    expected = gguf.quants.dequantize(data, kind)
+    got = dequantize(data, kind, (6, 256))
+    assert got.dtype == np.float32 and got.flags.writeable
+    np.testing.assert_array_equal(got, expected)

@@ -188,3 +188,51 @@ def test_context_length_errors(tiny_server: RunningServer):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=TINY_NAME, prompt=[1, 2, 256], max_tokens=1)
     assert "outside the vocabulary" in e.value.body["message"]
+
+
+# ---------------------------------------------------------------- vLLM's extra routes
+
+
+def test_version_tokenize_detokenize_with_vllm_field_names(
+    tiny_server: RunningServer, tiny_tokenizer
+):
+    """Acceptance 4 of issue 24: /version, /tokenize and /detokenize as vLLM serves them."""
+    url = tiny_server.url
+    version = httpx.get(url + "/version")
+    assert version.status_code == 200 and version.json() == {"version": "0.1.0"}
+    body = httpx.post(url + "/tokenize", json={"model": TINY_NAME, "prompt": PROMPT}).json()
+    ids = tiny_tokenizer.encode(PROMPT)
+    assert body == {"count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": None}
+    body = httpx.post(url + "/tokenize", json={"prompt": "w1 w2", "return_token_strs": True}).json()
+    assert body["token_strs"] == tiny_tokenizer.convert_ids_to_tokens(body["tokens"])
+    chat = httpx.post(url + "/tokenize", json={"messages": MESSAGES}).json()
+    expected = tiny_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert chat["tokens"] == list(expected.get("input_ids", expected))
+    assert chat["count"] == len(chat["tokens"])
+    back = httpx.post(url + "/detokenize", json={"model": TINY_NAME, "tokens": ids}).json()
+    assert back == {"prompt": tiny_tokenizer.decode(ids)}
+
+
+@pytest.mark.parametrize(
+    "route, body, status, param",
+    [
+        ("/tokenize", {"prompt": "w1", "messages": MESSAGES}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"model": "other", "prompt": "w1"}, 404, "model"),
+        ("/tokenize", {"prompt": "w1", "add_special_token": True}, 400, "add_special_token"),
+        ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "w1"}, 400, "tokens"),
+    ],
+)
+def test_tokenize_errors(tiny_server: RunningServer, route, body, status, param):
+    response = httpx.post(tiny_server.url + route, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
+
+
+def test_metrics_are_labelled_with_the_model_name(tiny_server: RunningServer):
+    text = httpx.get(tiny_server.url + "/metrics").text
+    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert samples and all(f'model_name="{TINY_NAME}"' in line for line in samples)
+    assert 'sparsevllm:request_success_total{model_name="tiny",finished_reason="stop"}' in text

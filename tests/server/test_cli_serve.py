@@ -98,3 +98,42 @@ def test_signal_aborts_running_requests_and_exits_0(tiny_path, sig):
     log = server.log()
     assert "shutting down" in log and "engine worker stopped" in log
     assert "Traceback" not in log
+
+
+def test_serve_takes_the_model_as_a_positional_argument(tiny_path):
+    """`sparsevllm serve MODEL`, as vLLM takes it (--model still works: the tests above)."""
+    server = ServeProcess(tiny_path, "--max-model-len", "512", "--served-model-name", "tiny")
+    try:
+        models = httpx.get(server.url + "/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        assert models["data"][0]["root"] == tiny_path
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0, server.log()
+
+
+def test_serve_model_given_twice_is_a_usage_error(tiny_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "sparsevllm.cli", "serve", tiny_path, "--model", "/other"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "given twice" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_default_model_is_named_in_the_loading_log():
+    """Problem 10: the log said `loading the engine (None, ...)` for the default model."""
+    try:
+        from sparsevllm.models.default_model import default_model_path
+
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    server = ServeProcess("--max-model-len", "512")
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0, server.log()
+    loading = next(line for line in server.log().splitlines() if "loading the engine" in line)
+    assert path in loading and "None" not in loading

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,21 @@ def test_default_model_completions(default_server: RunningServer):
     assert result.choices[0].text.strip()
     stream = client.completions.create(temperature=0.0, stream=True, **kwargs)
     assert "".join(c.choices[0].text for c in stream) == result.choices[0].text
+
+
+def _python_example(doc: str, heading: str) -> str:
+    """The first ```python block after `heading` in a Markdown file."""
+    section = doc[doc.index(heading) :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```", start)]
+
+
+def test_server_doc_completions_example_runs(default_server: RunningServer):
+    """Problem 2: docs/server.md's Python completions example got a 400."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
+    code = _python_example(doc, "### `POST /v1/completions`")
+    assert "client.completions.create" in code
+    printed: list[tuple] = []
+    scope = {"client": default_server.client(), "print": lambda *a, **k: printed.append(a)}
+    exec(compile(code, "docs/server.md", "exec"), scope)
+    assert printed and all(len(args) == 3 for args in printed)

@@ -70,7 +70,7 @@ class FakeEngine:
             done = r["aborted"] or r["n"] >= r["max"]
             reason = "abort" if r["aborted"] else "length"
             outputs.append(
-                RequestOutput(
+                RequestOutput.single(
                     request_id, None, [1], "", [5] * r["n"], done, reason if done else None
                 )
             )
@@ -159,7 +159,7 @@ def test_streamed_text_never_shows_a_partial_stop_string():
     choice = Choice(0, 0, "r", stop=["w5 w6"])
 
     def out(text: str, finished: bool = False) -> RequestOutput:
-        return RequestOutput("r", None, [], text, [], finished, "stop" if finished else None)
+        return RequestOutput.single("r", None, [], text, [], finished, "stop" if finished else None)
 
     deltas = [choice.text_delta(out(" w1")), choice.text_delta(out(" w1 w5"))]
     deltas.append(choice.text_delta(out(" w1 ", finished=True)))  # the engine cut the stop

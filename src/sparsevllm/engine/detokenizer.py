@@ -71,7 +71,9 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """Release held-back text (e.g. a dangling partial UTF-8 sequence) at end of stream."""
+        """End of stream: release held-back text that is complete. A character whose
+        bytes were cut off (the stream stopped at max_tokens mid-character) is dropped
+        rather than emitted as U+FFFD, as vLLM does; the token ids keep it."""
         if self._read_offset == len(self._ids):
             return ""
         return self._advance(final=True)
@@ -79,12 +81,13 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
-        # A trailing U+FFFD means the last token(s) end mid-character; wait for the
-        # rest. Special tokens skipped by decode also produce no growth: wait too,
-        # keeping them in the window is harmless since they decode to "".
-        if len(full_text) <= len(prefix_text) or (
-            not final and full_text.endswith(_REPLACEMENT_CHAR)
-        ):
+        # A trailing U+FFFD means the last token(s) end mid-character: wait for the rest
+        # or, at the end, leave the incomplete character out. Special tokens skipped by
+        # decode also produce no growth: wait too, keeping them in the window is
+        # harmless since they decode to "".
+        if final:
+            full_text = full_text.rstrip(_REPLACEMENT_CHAR)
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
             return ""
         delta = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset

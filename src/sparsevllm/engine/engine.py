@@ -18,7 +18,7 @@ from sparsevllm.engine.overlap import OverlapStepper
 from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.prune import PruneResult, prune_cache
 from sparsevllm.engine.radix_tiers import RadixTiers
-from sparsevllm.engine.runner import ModelRunner
+from sparsevllm.engine.runner import ModelRunner, resolve_device
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.models.loader import load_model_source
@@ -36,6 +36,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        resolve_device(config.device)  # e.g. cuda on a machine without: fail before loading
         self.source = load_model_source(config.model, config.tokenizer, config.load_format)
         self.tokenizer = self.source.tokenizer
         self.eos_token_ids = self.source.eos_token_ids
@@ -117,22 +118,41 @@ class LLMEngine:
             raise ValueError("a prompt must be a string or a list of token ids (ints)")
         return None, list(prompt)
 
+    def prompt_ids(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """The request's text and token ids, cut to the last `truncate_prompt_tokens`."""
+        text, ids = self.encode(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
+        return text, ids
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if this request can never run; nothing is queued then."""
-        n = len(prompt_ids)
+        """Raise ValueError if this request can never run; nothing is queued then.
+
+        The prompt and max_tokens must fit max_model_len together (the server's rule
+        too): a prompt is never cut silently (see `truncate_prompt_tokens`)."""
+        n, limit = len(prompt_ids), self.max_model_len
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
+        if n >= limit:
             raise ValueError(
-                f"prompt has {n} tokens, which does not leave room for output within "
-                f"max_model_len={self.max_model_len}"
+                f"the prompt has {n} tokens, which leaves no room for output within "
+                f"max_model_len={limit} (prompt and output together); shorten it or set "
+                "SamplingParams(truncate_prompt_tokens=...) to keep its last tokens"
+            )
+        if n + params.max_tokens > limit:
+            raise ValueError(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: "
+                f"{n + params.max_tokens} tokens exceed max_model_len={limit}; lower "
+                f"max_tokens to at most {limit - n} or shorten the prompt"
             )
         vocab = self.source.hf_config.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        max_tokens = min(params.max_tokens, self.max_model_len - n)
-        need = self.method.max_resident(n, max_tokens)
+        need = self.method.max_resident(n, params.max_tokens)
         if need > self.pool.num_slots:
             raise ValueError(
                 f"request needs up to {need} KV slots per layer but the pool holds only "
@@ -149,7 +169,7 @@ class LLMEngine:
         """Queue a request. `chain_id` names the conversation to continue (chain cache);
         raises ChainBusyError if another running request is extending that chain."""
         params = params or SamplingParams()
-        text, ids = self.encode(prompt)
+        text, ids = self.prompt_ids(prompt, params)
         self.validate(ids, params)
         if request_id is not None and request_id in self._by_request:
             raise ValueError(f"request id {request_id!r} is already in use")

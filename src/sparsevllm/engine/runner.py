@@ -7,6 +7,7 @@ import logging
 import operator
 from itertools import chain
 
+import numpy as np
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch, default_backend_name, get_backend_class
@@ -28,6 +29,17 @@ _LAST = operator.itemgetter(-1)  # a view's newest slot
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CPU_DEFAULT_KV_GB = 1.0
+
+
+def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV tensor. On the CPU its memory comes from numpy's calloc, whose
+    pages the OS maps zeroed on first touch: torch.zeros would write the whole pool at
+    start (a second per GiB here) although a request touches only the slots it uses."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # Same-size integer storage, reinterpreted: all-zero bits are 0.0 in every float dtype.
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
+    return torch.from_numpy(np.zeros(shape, dtype=bits)).view(dtype)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -70,8 +82,8 @@ class ModelRunner:
         for layer in range(self.num_layers):
             rows = next((w.num_slots for w in self.window_groups if layer in w.layers), None)
             shape = (rows or self.num_slots, self.num_kv_heads, self.head_dim)
-            self.k_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-            self.v_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.k_cache.append(kv_zeros(shape, self.dtype, self.device))
+            self.v_cache.append(kv_zeros(shape, self.dtype, self.device))
         self.backend = get_backend_class(default_backend_name(self.device))(
             self.k_cache, self.v_cache
         )

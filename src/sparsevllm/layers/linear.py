@@ -45,9 +45,10 @@ class Projections:
 
 
 def fuse_projections(model: nn.Module) -> None:
-    """Fuse every `Projections` of the model's modules. Call it once the weights are
-    loaded on the final device and dtype: moving the model afterwards would separate
-    the parameters from the fused tensors."""
+    """Fuse every `Projections` of the model's modules. Call it once the model is on its
+    final device and dtype (weights may be loaded afterwards: they are copied into the
+    views): moving the model afterwards would separate the parameters from the fused
+    tensors."""
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, Projections) and value.weight is None:

@@ -13,14 +13,16 @@ from __future__ import annotations
 import copy
 import os
 import re
-import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
-import gguf
-import numpy as np
 import torch
 import transformers
+
+from sparsevllm.models.gguf_dequant import dequantize
+from sparsevllm.models.gguf_file import GGUFFile, read_gguf_file
+from sparsevllm.models.gguf_transformers import build_config, build_tokenizer
 
 # gguf ``general.architecture`` -> HF class name written into ``config.architectures``.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -92,6 +94,9 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 _CACHE: dict[tuple[Any, ...], Any] = {}
 _CACHE_FILES = 2  # files whose parsed contents stay in memory
+# The weights are dequantized on a worker thread while the config and tokenizer are
+# built (loader._prefetch_gguf_weights): the memo's bookkeeping is done under a lock.
+_CACHE_LOCK = threading.Lock()
 
 
 def _cached(fn: Callable[..., Any], path: str, *args: Any) -> Any:
@@ -100,13 +105,22 @@ def _cached(fn: Callable[..., Any], path: str, *args: Any) -> Any:
     st = os.stat(path)
     ident = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     key = (fn.__name__, ident, *args)
-    if key not in _CACHE:
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+    value = fn(path, *args)
+    with _CACHE_LOCK:
         files = list(dict.fromkeys(k[1] for k in _CACHE))
         if ident not in files and len(files) >= _CACHE_FILES:
             for k in [k for k in _CACHE if k[1] == files[0]]:
                 del _CACHE[k]
-        _CACHE[key] = fn(path, *args)
-    return _CACHE[key]
+        return _CACHE.setdefault(key, value)
+
+
+def read_gguf(path: str) -> GGUFFile:
+    """The parsed GGUF file (metadata, tensor table, mapped data), once per file: the
+    config, the tokenizer and the weights are all built from this one parse."""
+    return _cached(read_gguf_file, path)
 
 
 def _check_architecture(arch: str) -> None:
@@ -157,58 +171,9 @@ def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def read_gguf_header(path: str) -> tuple[dict[str, Any], list[str]]:
-    """Return (scalar/string metadata, tensor names) of a GGUF file, without tensor data.
-
-    ``gguf.GGUFReader`` materialises every field (~100k tokenizer strings, ~2 s
-    for SmolLM2) before returning anything; the config only needs a few scalars
-    and the tensor names, so this walks the header directly and hops over
-    array values (which are not returned).
-    """
-    vt = gguf.GGUFValueType
-    scalar_fmt = {
-        vt.UINT8: "<B", vt.INT8: "<b", vt.UINT16: "<H", vt.INT16: "<h",
-        vt.UINT32: "<I", vt.INT32: "<i", vt.FLOAT32: "<f", vt.BOOL: "<?",
-        vt.UINT64: "<Q", vt.INT64: "<q", vt.FLOAT64: "<d",
-    }  # fmt: skip
-    meta: dict[str, Any] = {}
-    with open(path, "rb") as f:
-
-        def read(fmt: str) -> Any:
-            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-        def read_str() -> str:
-            return f.read(read("<Q")).decode("utf-8", errors="replace")
-
-        magic, version = read("<I"), read("<I")
-        if magic != gguf.GGUF_MAGIC or not 2 <= version <= 0xFFFF:  # also rejects big-endian
-            raise ValueError(f"{path} is not a little-endian GGUF v2+ file")
-        n_tensors, n_kv = read("<Q"), read("<Q")
-        for _ in range(n_kv):
-            key, vtype = read_str(), read("<I")
-            if vtype == vt.STRING:
-                meta[key] = read_str()
-            elif vtype == vt.ARRAY:
-                etype, count = read("<I"), read("<Q")
-                if etype == vt.STRING:  # variable-size elements: hop over each one
-                    for _ in range(count):
-                        f.seek(read("<Q"), os.SEEK_CUR)
-                elif etype in scalar_fmt:
-                    f.seek(count * struct.calcsize(scalar_fmt[etype]), os.SEEK_CUR)
-                else:
-                    raise ValueError(f"unsupported nested GGUF array for key {key!r}")
-            else:
-                meta[key] = read(scalar_fmt[vt(vtype)])
-        names = []
-        for _ in range(n_tensors):  # tensor info: name, n_dims, dims[n_dims], type, offset
-            names.append(read_str())
-            f.seek(8 * read("<I") + 4 + 8, os.SEEK_CUR)
-    return meta, names
-
-
-def _split(path: str) -> tuple[str, str]:
-    """Split ``path`` into (directory, file name) as transformers' ``gguf_file`` API wants."""
-    dirname, basename = os.path.split(os.path.abspath(path))
-    return dirname, basename
+    """(metadata, tensor names) of a GGUF file, from its one cached parse."""
+    parsed = read_gguf(path)
+    return parsed.metadata, parsed.tensor_names
 
 
 def load_gguf_config(path: str) -> transformers.PretrainedConfig:
@@ -219,7 +184,8 @@ def load_gguf_config(path: str) -> transformers.PretrainedConfig:
 def _load_gguf_config(path: str) -> transformers.PretrainedConfig:
     """Return the HF config for the GGUF file at ``path``.
 
-    Built by transformers' GGUF metadata parser, then patched where it falls
+    Built as transformers' GGUF metadata parser builds it (from the file's one parse,
+    see gguf_transformers.py), then patched where it falls
     short for the engine: ``architectures`` is never set by it; ``rope_theta``
     only lives in ``rope_parameters`` in transformers 5; ``head_dim`` is not read
     for qwen2/qwen3 (the Qwen3Config default of 128 is wrong for other sizes, and
@@ -227,11 +193,10 @@ def _load_gguf_config(path: str) -> transformers.PretrainedConfig:
     ``tie_word_embeddings`` is pinned to "no ``output.weight`` tensor", the same
     rule :func:`load_gguf_state_dict` uses to leave ``lm_head`` out.
     """
-    meta, tensor_names = read_gguf_header(path)
-    arch = str(meta.get("general.architecture"))
-    _check_architecture(arch)  # fail before the slow transformers parse
-    dirname, basename = _split(path)
-    config = transformers.AutoConfig.from_pretrained(dirname, gguf_file=basename)
+    parsed = read_gguf(path)
+    meta, tensor_names, arch = parsed.metadata, parsed.tensor_names, parsed.architecture
+    _check_architecture(arch)
+    config = build_config(parsed)
     if _MODEL_TYPE_TO_ARCH.get(config.model_type) != arch:
         raise ValueError(f"GGUF {arch!r} parsed as unexpected model_type {config.model_type!r}")
     if not getattr(config, "architectures", None):
@@ -284,12 +249,11 @@ def _fix_gemma3_config(config: transformers.PretrainedConfig, meta: dict[str, An
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
 
 
-def _metadata_int(reader: gguf.GGUFReader, key: str) -> int:
+def _metadata_int(meta: dict[str, Any], key: str) -> int:
     """Read an integer metadata field, with a clear error when it is missing."""
-    field = reader.get_field(key)
-    if field is None:
+    if key not in meta:
         raise ValueError(f"GGUF file lacks required metadata {key!r}")
-    return int(field.contents())
+    return int(meta[key])
 
 
 def load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -304,26 +268,21 @@ def _load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict
     Tied checkpoints (no ``output.weight``) get no ``lm_head.weight`` entry; the
     model ties it to ``model.embed_tokens.weight`` itself.
     """
-    reader = gguf.GGUFReader(path)
-    arch_field = reader.get_field("general.architecture")
-    arch = str(arch_field.contents()) if arch_field is not None else "<missing>"
+    parsed = read_gguf(path)
+    arch, meta = parsed.architecture, parsed.metadata
     _check_architecture(arch)
     n_head = n_head_kv = 0
     if arch == "llama":  # only llama's converter permutes q/k rows
-        n_head = _metadata_int(reader, "llama.attention.head_count")
-        kv_field = reader.get_field("llama.attention.head_count_kv")
-        n_head_kv = int(kv_field.contents()) if kv_field is not None else n_head
+        n_head = _metadata_int(meta, "llama.attention.head_count")
+        n_head_kv = int(meta.get("llama.attention.head_count_kv", n_head))
 
     state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in parsed.tensors:
         hf_name = gguf_to_hf_name(arch, tensor.name)
         if hf_name is None:
             continue
-        # GGUF lists dims fastest-first (ggml ``ne``); numpy/torch want them reversed.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        # F32/F16 data may be a read-only view of the memmap; copy into owned memory.
-        weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        array = dequantize(parsed.tensor_data(tensor), tensor.ggml_type, tensor.shape)
+        weight = torch.from_numpy(array)
         if arch == "llama" and tensor.name.startswith("blk."):
             if ".attn_q." in tensor.name:
                 weight = unpermute_rope_rows(weight, n_head)
@@ -344,9 +303,8 @@ def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
 
 def _load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     """Build a fast HF tokenizer (with the chat template, if any) from GGUF metadata."""
-    dirname, basename = _split(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(dirname, gguf_file=basename)
-    check_tokenizer_merges(tokenizer, basename)
+    tokenizer = build_tokenizer(read_gguf(path))
+    check_tokenizer_merges(tokenizer, os.path.basename(path))
     return tokenizer
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,9 @@ class ModelSource:
     hf_config: Any
     tokenizer: Any | None
     eos_token_ids: set[int] = field(default_factory=set)
+    # GGUF weights being dequantized on a worker thread while the config and the
+    # tokenizer are built (see `_prefetch_gguf_weights`).
+    weights: Future[dict[str, torch.Tensor]] | None = None
 
 
 def detect_format(path: str, load_format: str) -> str:
@@ -39,8 +44,6 @@ def detect_format(path: str, load_format: str) -> str:
 
 def load_model_source(model: str | None, tokenizer: str | None, load_format: str) -> ModelSource:
     """Resolve the model path (bundled default if None), its HF config and tokenizer."""
-    from transformers import AutoConfig
-
     if model is None:
         from sparsevllm.models.default_model import default_model_path
 
@@ -50,15 +53,14 @@ def load_model_source(model: str | None, tokenizer: str | None, load_format: str
             f"model {model!r} not found: give a model directory, a .gguf file or a config.json"
         )
     fmt = detect_format(model, load_format)
+    weights = None
     if fmt == "gguf":
         from sparsevllm.models.gguf_loader import load_gguf_config
 
-        hf_config = load_gguf_config(model)
+        hf_config = load_gguf_config(model)  # parses the file; the weights reuse the parse
+        weights = _prefetch_gguf_weights(model)
     else:
-        config_dir = os.path.dirname(model) if model.endswith(".json") else model
-        if not os.path.exists(os.path.join(config_dir, "config.json")):
-            raise FileNotFoundError(f"{config_dir!r} has no config.json")
-        hf_config = AutoConfig.from_pretrained(config_dir)
+        hf_config = _hf_config(model)
     # Fails early on unsupported architectures. A model class may narrow the config to
     # the part it runs (multimodal Gemma 3 -> its text config) before the engine sizes
     # the KV pool from it.
@@ -66,7 +68,51 @@ def load_model_source(model: str | None, tokenizer: str | None, load_format: str
     if adapt is not None:
         hf_config = adapt(hf_config)
     tok = _load_tokenizer(tokenizer or model)
-    return ModelSource(model, fmt, hf_config, tok, _eos_ids(model, hf_config, tok))
+    return ModelSource(model, fmt, hf_config, tok, _eos_ids(model, hf_config, tok), weights)
+
+
+def _hf_config(model: str) -> Any:
+    """The HF config of a model directory (its config.json) or of a JSON file of any name."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise FileNotFoundError(f"model directory {model!r} has no config.json")
+        return AutoConfig.from_pretrained(model)
+    if not model.endswith(".json"):
+        raise ValueError(
+            f"model {model!r} is neither a directory, a .gguf file nor a .json config "
+            "(set load_format to say how to read it)"
+        )
+    try:
+        with open(model) as f:
+            values = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model config {model!r} is not valid JSON: {e}") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ValueError(
+            f"{model!r} is not a Hugging Face model config (it has no model_type); engine "
+            "settings go to --config (LLM.from_config), not --model"
+        )
+    return AutoConfig.from_pretrained(model)
+
+
+def _prefetch_gguf_weights(path: str) -> Future[dict[str, torch.Tensor]]:
+    """Dequantize a GGUF file's weights on a worker thread. numpy drops the GIL in its
+    array passes, so on a 2-core machine they overlap importing transformers' config
+    classes and building the tokenizer (about a second each for the default model)."""
+    from sparsevllm.models.gguf_loader import load_gguf_state_dict
+
+    future: Future[dict[str, torch.Tensor]] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(load_gguf_state_dict(path))
+        except BaseException as e:  # handed to whoever waits for the weights
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="sparsevllm-gguf-weights", daemon=True).start()
+    return future
 
 
 def _load_tokenizer(path: str) -> Any | None:
@@ -112,28 +158,50 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+# torch.nn.init functions that nn.Linear and nn.Embedding draw their initial weights with.
+_INIT_FUNCTIONS = ("kaiming_uniform_", "uniform_", "normal_")
+
+
+@contextlib.contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Build modules without drawing initial weights: every parameter is overwritten by
+    the checkpoint (or by `_init_dummy`), and the draws took a second for 135M weights."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def build_model(
     source: ModelSource, max_position: int, dtype: torch.dtype, device: torch.device, seed: int
 ) -> nn.Module:
     """Create the model on `device` in `dtype` and load (or randomly draw) its weights."""
     cls = model_class_for(source.hf_config)
-    with _default_dtype(dtype), torch.device(device):
+    with _default_dtype(dtype), torch.device(device), _no_weight_init():
         model = cls(source.hf_config, max_position)
+    # Fused before loading: the projections' parameters become views into the fused
+    # tensors, so each weight is written once, in place, instead of loaded then copied.
+    fuse_projections(model)
+    if device.type == "cuda":
+        # The unfused weights' freed blocks would otherwise stay reserved by the caching
+        # allocator and shrink the KV pool sized from the free memory.
+        torch.cuda.empty_cache()
     if source.load_format == "dummy":
         _init_dummy(model, seed)
     else:
         state = _state_dict(source)
         remap = getattr(model, "remap_checkpoint", None)  # e.g. multimodal Gemma 3 names
         load_weights(model, remap(state) if remap is not None else state)
-    fuse_projections(model)  # last: on the final device and dtype
-    if device.type == "cuda":
-        # The unfused weights' freed blocks would otherwise stay reserved by the caching
-        # allocator and shrink the KV pool sized from the free memory.
-        torch.cuda.empty_cache()
     return model.eval()
 
 
 def _state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
+    if source.weights is not None:
+        return source.weights.result()
     if source.load_format == "gguf":
         from sparsevllm.models.gguf_loader import load_gguf_state_dict
 

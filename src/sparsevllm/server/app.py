@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -27,6 +27,13 @@ from sparsevllm.server.errors import APIError, bad_request, from_validation_erro
 from sparsevllm.server.metrics import CONTENT_TYPE
 from sparsevllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from sparsevllm.server.serving import ServingContext
+from sparsevllm.server.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+    version,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +127,16 @@ def build_app(
     app = FastAPI(title="Sparse-vLLM", summary="OpenAI-compatible API", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     _add_error_handlers(app, max_body_bytes)
-    app.include_router(_v1_router(ctx, api_key))
+    require_key = _key_check(api_key)
+    app.include_router(_v1_router(ctx, require_key))
+    app.include_router(_tokenizer_router(ctx, require_key))
     _add_ops_routes(app, ctx)
     return app
 
 
-def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+def _key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that requires `Authorization: Bearer KEY` (nothing without a key)."""
+
     async def require_key(request: Request) -> None:
         if api_key is None:
             return
@@ -140,6 +151,27 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
                 code="invalid_api_key",
             )
 
+    return require_key
+
+
+def _tokenizer_router(
+    ctx: ServingContext, require_key: Callable[[Request], Awaitable[None]]
+) -> APIRouter:
+    """vLLM's /tokenize and /detokenize: outside /v1, but behind the key like /v1."""
+    router = APIRouter(dependencies=[Depends(require_key)])
+
+    @router.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        return await tokenize(ctx, await parse_body(request, TokenizeRequest))
+
+    @router.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, str]:
+        return await detokenize(ctx, await parse_body(request, DetokenizeRequest))
+
+    return router
+
+
+def _v1_router(ctx: ServingContext, require_key: Callable[[Request], Awaitable[None]]) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
     @router.get("/models")
@@ -187,6 +219,10 @@ def _model_card(ctx: ServingContext) -> dict[str, Any]:
 
 
 def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.get("/version")
+    async def version_route() -> dict[str, str]:
+        return version()
+
     @app.get("/health", response_model=None)
     async def health() -> Response:
         if ctx.engine.accepting:
@@ -195,7 +231,7 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
-        text = ctx.engine.metrics.render(ctx.engine.stats())
+        text = ctx.engine.metrics.render(ctx.engine.stats(), ctx.model_name)
         return Response(text, media_type=CONTENT_TYPE)
 
 

@@ -348,15 +348,8 @@ class AsyncEngine:
                 self._engine.abort_request(request_id)
             except Exception:
                 logger.exception("abort of %s failed", request_id)
-            error = RequestOutput(
-                request_id=request_id,
-                prompt=None,
-                prompt_token_ids=[],
-                text="",
-                token_ids=[],
-                finished=True,
-                finish_reason="error",
-                error=message,
+            error = RequestOutput.single(
+                request_id, None, [], "", [], finished=True, finish_reason="error", error=message
             )
             self.metrics.observe_finished("error", time.perf_counter() - live.arrival, None)
             self._post(live.loop, live.queue, error)

@@ -34,7 +34,7 @@ async def create_chat_completion(
     ctx.check_fan_out(n)
     chain_id = resolve_chain_id(req.chain_id, raw, n)
     messages = [m.as_template_input() for m in req.messages]
-    prompt = PromptInput(await _apply_template(ctx, messages, bool(req.add_generation_prompt)))
+    prompt = PromptInput(await apply_template(ctx, messages, bool(req.add_generation_prompt)))
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_context_length(
         len(prompt.token_ids), req.requested_max_tokens(), ctx.max_model_len, field, "messages"
@@ -48,7 +48,7 @@ async def create_chat_completion(
     return await respond(ctx, raw, stream, choices, fmt, head, req.stream)
 
 
-async def _apply_template(
+async def apply_template(
     ctx: ServingContext, messages: list[dict[str, str]], add_generation_prompt: bool
 ) -> list[int]:
     tok = ctx.tokenizer

@@ -79,6 +79,18 @@ def default_served_model_name(config: EngineConfig) -> str:
     return config.model.rstrip("/")
 
 
+def _model_path(config: EngineConfig) -> str:
+    """What the engine loads: the --model path, or the bundled default model's file."""
+    if config.model is not None:
+        return config.model
+    from sparsevllm.models.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError:  # the engine reports it, with how to install it
+        return "the bundled default model"
+
+
 def make_server(
     async_engine: AsyncEngine,
     host: str = DEFAULT_HOST,
@@ -122,7 +134,9 @@ def run_server(
         raise ValueError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
     if log_level != "trace":  # uvicorn's extra level; logging has no TRACE
         logging.getLogger("sparsevllm.server").setLevel(log_level.upper())
-    logger.info("loading the engine (%s, sparse method %s)", config.model, config.sparse_method)
+    logger.info(
+        "loading the engine (%s, sparse method %s)", _model_path(config), config.sparse_method
+    )
     async_engine = AsyncEngine(LLMEngine(config))
     server = make_server(
         async_engine,

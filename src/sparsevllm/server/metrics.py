@@ -4,13 +4,15 @@ Two sources: the engine's `stats()` (gauges and counters the engine keeps: runni
 waiting requests, KV slots, preemptions, generated and cached tokens, peak batch),
 snapshotted by the worker thread after every step, and request-level observations the
 worker records as outputs arrive (time to first token, time per output token, end-to-end
-latency, finish reasons, prompt tokens). All names carry the `sparsevllm:` prefix.
+latency, finish reasons, prompt tokens). All names carry the `sparsevllm:` prefix and,
+as vLLM's do, a `model_name` label with the served model's name.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import re
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -115,16 +117,17 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def render(self) -> list[str]:
+    def render(self, labels: dict[str, str] | None = None) -> list[str]:
         full = PREFIX + self.name
+        labels = labels or {}
         lines = [f"# HELP {full} {self.help_text}", f"# TYPE {full} histogram"]
         cumulative = 0
         for bound, n in zip(self.buckets, self.counts):
             cumulative += n
-            lines.append(f'{full}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        lines.append(f'{full}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{full}_sum {_number(self.sum)}")
-        lines.append(f"{full}_count {self.count}")
+            lines.append(f"{full}_bucket{_labels(labels, le=_number(bound))} {cumulative}")
+        lines.append(f"{full}_bucket{_labels(labels, le='+Inf')} {self.count}")
+        lines.append(f"{full}_sum{_labels(labels)} {_number(self.sum)}")
+        lines.append(f"{full}_count{_labels(labels)} {self.count}")
         return lines
 
 
@@ -166,35 +169,55 @@ class ServerMetrics:
             if per_token_seconds is not None:
                 self.tpot.observe(per_token_seconds)
 
-    def render(self, stats: dict[str, Any]) -> str:
-        """The whole exposition: engine `stats` plus this object's observations."""
+    def render(self, stats: dict[str, Any], model_name: str | None = None) -> str:
+        """The whole exposition: engine `stats` plus this object's observations, every
+        sample labelled with `model_name` (when given)."""
         stats = dict(stats)
         total = stats.get("kv_slots_total") or 0
         stats["kv_usage_ratio"] = stats.get("kv_slots_used", 0) / total if total else 0.0
+        labels = {} if model_name is None else {"model_name": model_name}
         lines: list[str] = []
         for name, kind, key, help_text in _ENGINE_METRICS:
             if key in stats:
-                lines += _scalar(name, kind, help_text, stats[key])
+                lines += _scalar(name, kind, help_text, stats[key], labels)
         with self._lock:
             lines += _scalar(
                 "prompt_tokens_total",
                 "counter",
                 "Prompt tokens of requests accepted by the engine.",
                 self.prompt_tokens,
+                labels,
             )
             full = PREFIX + "request_success_total"
             lines.append(f"# HELP {full} Finished requests by finish reason.")
             lines.append(f"# TYPE {full} counter")
             for reason in sorted(set(self.finished) | {"stop", "length", "abort", "error"}):
-                lines.append(f'{full}{{finished_reason="{reason}"}} {self.finished[reason]}')
+                count = self.finished[reason]
+                lines.append(f"{full}{_labels(labels, finished_reason=reason)} {count}")
             for hist in (self.ttft, self.tpot, self.e2e):
-                lines += hist.render()
+                lines += hist.render(labels)
         return "\n".join(lines) + "\n"
 
 
-def _scalar(name: str, kind: str, help_text: str, value: float) -> list[str]:
+def _scalar(
+    name: str, kind: str, help_text: str, value: float, labels: dict[str, str]
+) -> list[str]:
     full = PREFIX + name
-    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full} {_number(value)}"]
+    sample = f"{full}{_labels(labels)} {_number(value)}"
+    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", sample]
+
+
+def _labels(labels: dict[str, str], **more: str) -> str:
+    """`{a="x",b="y"}` (escaped as the exposition format wants), or "" for no labels."""
+    items = {**labels, **more}
+    if not items:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items.items()) + "}"
+
+
+def _escape(value: str) -> str:
+    """A label value as the exposition format writes it: backslash, quote, newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _number(value: float) -> str:
@@ -207,11 +230,19 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sample lines of an exposition as {'name{labels}': value} (for tests and tools)."""
+_MODEL_NAME_LABEL = re.compile(r'model_name="(?:[^"\\]|\\.)*",?')
+
+
+def parse_metrics(text: str, keep_model_name: bool = False) -> dict[str, float]:
+    """Sample lines of an exposition as {'name{labels}': value} (for tests and tools).
+
+    A server serves one model, so its `model_name` label is left out of the keys
+    (`sparsevllm:kv_slots_used`, `...{finished_reason="stop"}`) unless asked for."""
     samples: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
+            if not keep_model_name:
+                key = _MODEL_NAME_LABEL.sub("", key).replace("{}", "")
             samples[key] = float(value)
     return samples

@@ -190,6 +190,32 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(StrictModel):
+    """POST /tokenize: exactly one of `prompt` and `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # vLLM's defaults: special tokens (e.g. BOS) for a prompt; the chat template writes
+    # its own, so none are added to messages.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt and messages: give exactly one of them")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def check_context_length(
     num_prompt_tokens: int,
     max_tokens: int | None,
