@@ -73,8 +73,12 @@ def private_imports(tree: ast.AST, module: str) -> list[str]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sparsevllm"):
             if node.module == module:
                 continue
-            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            found += [f"{node.module}.{a.name}" for a in node.names if _private(a.name)]
     return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -88,7 +92,7 @@ def test_no_private_name_is_imported_across_modules():
 
 
 def test_the_private_name_rule_catches_one():
-    tree = ast.parse("from sparsevllm.engine.kv_pool import _helper\n")
+    tree = ast.parse("from sparsevllm.engine.kv_pool import _helper, __version__\n")
     assert private_imports(tree, "sparsevllm.engine.scheduler") == [
         "sparsevllm.engine.kv_pool._helper"
     ]
