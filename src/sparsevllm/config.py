@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sparsevllm.sparse.registry import (
     all_knob_names,
@@ -21,7 +21,7 @@ from sparsevllm.sparse.registry import (
     resolve_prefill_policy,
     validate_knobs,
 )
-from sparsevllm.sparse.spec import SHARED_DEFAULTS, MethodKnobs, NoKnobs
+from sparsevllm.sparse.spec import SHARED_DEFAULTS, MethodKnobs, NoKnobs, SettingValue
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
@@ -254,25 +254,31 @@ class EngineConfig:
         return cls.field_names() + all_knob_names()
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str | None = None) -> EngineConfig:
+    def from_dict(cls, values: Mapping[str, object], source: str | None = None) -> EngineConfig:
         """Build from flat settings (a method's knobs by name, beside the engine's own),
         rejecting unknown keys with the closest valid name."""
         values = dict(values)
-        knobs = dict(values.pop("method_knobs", None) or {})
+        given = values.pop("method_knobs", None) or {}
+        if not isinstance(given, Mapping):
+            raise ValueError(f"method_knobs must be a mapping of knob names, got {given!r}")
+        knobs = dict(given)
         check_keys(values, cls.option_names(), what="config key")
         fields = set(cls.field_names())
         knobs.update({k: v for k, v in values.items() if k not in fields})
-        own = {k: v for k, v in values.items() if k in fields}
-        return cls(**own, method_knobs=knobs, _source=source)  # type: ignore[arg-type]
+        # Values of any type until __post_init__ has checked each against its field (and
+        # turned the knobs mapping into the method's knobs dataclass).
+        own: dict[str, Any] = {k: v for k, v in values.items() if k in fields}
+        own["method_knobs"] = knobs
+        return cls(**own, _source=source)
 
     @classmethod
-    def create(cls, **values: Any) -> EngineConfig:
+    def create(cls, **values: object) -> EngineConfig:
         """`from_dict` with keyword arguments: `EngineConfig.create(sparse_method="snapkv",
         snapkv_window_size=16)` (the constructor takes a method's knobs as `method_knobs`)."""
         return cls.from_dict(values)
 
     @classmethod
-    def from_json(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+    def from_json(cls, path: str | Path, **overrides: object) -> EngineConfig:
         path = Path(path)
         try:
             values = json.loads(path.read_text())
@@ -283,7 +289,7 @@ class EngineConfig:
         values.update(overrides)
         return cls.from_dict(values, source=str(path))
 
-    def replace(self, **changes: Any) -> EngineConfig:
+    def replace(self, **changes: object) -> EngineConfig:
         """A copy with `changes` (flat names, as `from_dict`); the method's knobs carry
         over unless the method changes."""
         values = {name: getattr(self, name) for name in self.field_names()}
@@ -294,17 +300,22 @@ class EngineConfig:
         return self.from_dict(values, source=self._source)
 
     @classmethod
-    def knob_defaults(cls) -> dict[str, Any]:
-        """Defaults of the engine's own settings."""
-        return {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.field_names()}
+    def knob_defaults(cls) -> dict[str, SettingValue]:
+        """Defaults of the engine's own settings (each has a plain default)."""
+        names = cls.field_names()
+        return {
+            f.name: f.default
+            for f in dataclasses.fields(cls)
+            if f.name in names and f.default is not dataclasses.MISSING
+        }
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, SettingValue]:
         """Flat settings, the method's knobs included: what `from_dict` takes back."""
         values = {name: getattr(self, name) for name in self.field_names()}
         return {**values, **self.method_knobs.values()}
 
 
-def check_keys(values: Mapping[str, Any], valid: list[str], what: str) -> None:
+def check_keys(values: Mapping[str, object], valid: list[str], what: str) -> None:
     """Raise ValueError for the first unknown key, suggesting the closest valid one."""
     for key in values:
         if key not in valid:
@@ -313,7 +324,7 @@ def check_keys(values: Mapping[str, Any], valid: list[str], what: str) -> None:
             raise ValueError(f"unknown {what} {key!r}{hint} (valid: {', '.join(valid)})")
 
 
-def _check_type(name: str, value: Any, types: type | tuple[type, ...]) -> None:
+def _check_type(name: str, value: object, types: type | tuple[type, ...]) -> None:
     # bool is an int subclass; a flag passed where a size belongs is a mistake.
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise ValueError(f"{name} must be a number, got {value!r}")
@@ -321,13 +332,13 @@ def _check_type(name: str, value: Any, types: type | tuple[type, ...]) -> None:
         raise ValueError(f"{name} has the wrong type: got {type(value).__name__} {value!r}")
 
 
-def _check_positive_int(name: str, value: Any) -> None:
+def _check_positive_int(name: str, value: object) -> None:
     _check_type(name, value, int)
-    if value <= 0:
+    if cast(int, value) <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value}")
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         close = difflib.get_close_matches(str(value), choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

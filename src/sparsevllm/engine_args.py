@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any
 
 from sparsevllm.config import FIELD_HELP, EngineConfig
 from sparsevllm.sparse.registry import all_specs, knob_owners
+from sparsevllm.sparse.spec import SettingValue, base_type
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for name in EngineConfig.field_names():
         default = EngineConfig.knob_defaults()[name]
-        _add_setting(group, name, _base_type(hints[name]), FIELD_HELP[name], default)
+        _add_setting(group, name, base_type(hints[name]), FIELD_HELP[name], default)
     seen: set[str] = set()  # knobs shared by several methods (PyramidKV extends SnapKV's)
     for spec in all_specs():
         names = [n for n in spec.knobs.names() if n not in seen]
@@ -35,7 +35,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         seen.update(names)
 
 
-def _add_setting(group: Any, name: str, kind: type, help_text: str, default: Any) -> None:
+def _add_setting(
+    group: argparse._ArgumentGroup,
+    name: str,
+    kind: type[object],
+    help_text: str,
+    default: SettingValue,
+) -> None:
     flag = "--" + name.replace("_", "-")
     shown = "unset" if default is None else default
     text = f"{help_text} (default: {shown})".replace("%", "%%")
@@ -47,11 +53,6 @@ def _add_setting(group: Any, name: str, kind: type, help_text: str, default: Any
     # A tuple is a comma-separated list, parsed by the knob's validation.
     parse = kind if kind in (int, float) else str
     group.add_argument(flag, type=parse, default=argparse.SUPPRESS, help=text)
-
-
-def _base_type(hint: Any) -> type:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -11,9 +11,16 @@ import abc
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
+
+from sparsevllm.attention.scratch import StepScratch
+
+if TYPE_CHECKING:
+    # Type-only: attention carries the sparse layer's step records and KV access to the
+    # method's select_views without reading them (import-linter skips these imports).
+    from sparsevllm.sparse.base import KVAccess, SeqStep
 
 
 @dataclass
@@ -35,12 +42,14 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] rows whose hidden state is turned into logits
     backend: AttentionBackend
     # Device copies of the per-sequence metadata, for kernels.
-    rows_t: torch.Tensor | None = None  # [S] int32
-    view_lens_t: torch.Tensor | None = None  # [G, S] int32
-    q_starts_t: torch.Tensor | None = None  # [S + 1] int32
+    rows_t: torch.Tensor  # [S] int32
+    view_lens_t: torch.Tensor  # [G, S] int32
+    q_starts_t: torch.Tensor  # [S + 1] int32
     # Per sequence: a generation step (SeqStep.is_decode) and its score_rows, on device.
-    decode_t: torch.Tensor | None = None  # [S] bool
-    score_rows_t: torch.Tensor | None = None  # [S] int32
+    decode_t: torch.Tensor  # [S] bool
+    score_rows_t: torch.Tensor  # [S] int32
+    # The runner's KV operations, read-only context for select_views.
+    kv: KVAccess
     # Sparse-method requests (see sparse/base.py). score_rows[i] > 0 asks for the summed
     # attention probabilities of sequence i's last score_rows[i] queries over its view, at
     # score_layers (None: every layer): per row in scores[layer][i] as [num_heads, L_i], or,
@@ -51,16 +60,12 @@ class ForwardBatch:
     score_layers: frozenset[int] | None = None
     scores: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     step_scores: dict[int, torch.Tensor] = field(default_factory=dict)
-    # select_views(layer, q [S, num_heads, head_dim], batch) -> (subset [S, Hkv, B] int32,
-    # lens [S] int32) context positions each sequence's single query reads, or None for
-    # the whole views (the contract is SparseMethod.select_views).
-    select_views: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
-    # Read-only context for select_views: the methods' per-sequence step records
-    # (sparse.base.SeqStep) and the runner's KVAccess.
-    steps: list[Any] = field(default_factory=list)
-    kv: Any = None
+    # The method's batched decode views (`SelectViews`, below); None: every view whole.
+    select_views: SelectViews | None = None
+    # Read-only context for select_views: the methods' per-sequence step records.
+    steps: list[SeqStep] = field(default_factory=list)
     # Scratch space for a method's per-step results (lives exactly as long as the step).
-    method_cache: dict[Any, Any] = field(default_factory=dict)
+    method_cache: StepScratch = field(default_factory=StepScratch)
 
     @property
     def num_seqs(self) -> int:
@@ -120,6 +125,14 @@ class ForwardBatch:
         return out
 
 
+# select_views(layer, q [S, num_heads, head_dim], batch) -> (subset [S, Hkv, B] int32,
+# lens [S] int32) context positions each sequence's single query reads, or None for the
+# whole views (the contract is SparseMethod.select_views).
+SelectViews: TypeAlias = Callable[
+    [int, torch.Tensor, ForwardBatch], tuple[torch.Tensor, torch.Tensor] | None
+]
+
+
 class AttentionBackend(abc.ABC):
     """Stores K/V into slots and computes causal attention over slot views."""
 
@@ -160,5 +173,8 @@ def default_backend_name(device: torch.device) -> str:
 def get_backend_class(name: str) -> type[AttentionBackend]:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(_BACKENDS)})")
-    module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    module, cls_name = _BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        raise TypeError(f"{_BACKENDS[name]} is not an AttentionBackend")
+    return cls

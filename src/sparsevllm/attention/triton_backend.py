@@ -15,11 +15,17 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
+from sparsevllm.attention.scratch import ScratchKey
 from sparsevllm.attention.triton import (
     decode_attention,
     prefill_attention,
     store_kv,
     window_attention_mass,
+)
+
+# Per step: each row's last query row [S] and the rows with one new query [R], on device.
+_SINGLE_QUERY_ROWS: ScratchKey[tuple[torch.Tensor, torch.Tensor]] = ScratchKey(
+    "triton_backend.single_query_rows"
 )
 
 
@@ -130,36 +136,37 @@ class TritonBackend(AttentionBackend):
         """In a batch with prefill chunks, the sequences with a single new query (decoding
         ones) read the method's view, as in a decode-only step: the decode kernel
         recomputes their rows over the subset and overwrites the dense result."""
-        key = ("triton_backend", "single_query_rows")
-        if key not in batch.method_cache:  # once per step: host lists -> device indices
+        if batch.select_views is None:
+            return
+        if _SINGLE_QUERY_ROWS not in batch.method_cache:  # once per step: host -> device
             last = [start + n - 1 for start, n in zip(batch.q_starts, batch.q_lens)]
             ones = [i for i, n in enumerate(batch.q_lens) if n == 1]
-            batch.method_cache[key] = (
+            batch.method_cache[_SINGLE_QUERY_ROWS] = (
                 torch.tensor(last, device=q.device),
                 torch.tensor(ones, device=q.device),
             )
-        last, ones = batch.method_cache[key]  # [S] last query of each row, [R] 1-query rows
-        q_last = q[last]  # [S, Hq, D]
+        last_t, ones_t = batch.method_cache[_SINGLE_QUERY_ROWS]  # [S], [R]
+        q_last = q[last_t]  # [S, Hq, D]
         picked = batch.select_views(layer, q_last, batch)
         if picked is None:
             return
         subset, lens = picked  # [S, Hkv, B], [S] (-1: the whole view)
         group = batch.group_of_layer[layer]
-        q_one = q_last[ones]  # [R, Hq, D]
+        q_one = q_last[ones_t]  # [R, Hq, D]
         res = torch.empty_like(q_one)
         decode_attention(
             q_one,
             self.k_cache[layer],
             self.v_cache[layer],
             batch.tables[group],
-            batch.rows_t[ones],
-            batch.view_lens_t[group][ones],
+            batch.rows_t[ones_t],
+            batch.view_lens_t[group][ones_t],
             scale,
             res,
-            subset=subset[ones],
-            subset_lens=lens[ones],
+            subset=subset[ones_t],
+            subset_lens=lens[ones_t],
         )
-        out[last[ones]] = res
+        out[last_t[ones_t]] = res
 
     @staticmethod
     def _keep_scores(

@@ -35,15 +35,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeAlias
 
 import torch
 
 from sparsevllm.sparse.registry import method_spec
-from sparsevllm.sparse.spec import MethodKnobs
+from sparsevllm.sparse.spec import MethodKnobs, SettingValue
 
 if TYPE_CHECKING:
     from sparsevllm.attention.backend import ForwardBatch
+
+# What `after_step` receives (`ForwardBatch.row_scores`): `scores[layer][row]` is the
+# `[num_heads, L]` summed attention probabilities of the row's requested queries over its
+# view, None where none were requested.
+RowScores: TypeAlias = dict[int, list[torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -91,10 +96,17 @@ class MethodSettings(Protocol):
 class KVAccess(Protocol):
     """The runner's KV operations offered to methods (views are in slot-table order)."""
 
-    num_layers: int
-    num_kv_heads: int
-    num_slots: int  # slots of a full-attention layer's KV tensor
-    device: torch.device
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def num_slots(self) -> int:
+        """Slots of a full-attention layer's KV tensor."""
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
 
     def resident(self, seq_id: int, layer: int) -> int: ...
 
@@ -187,11 +199,11 @@ class SparseMethod:
         leaves room for it); `kv_bytes_per_layer_slot`: one slot's K+V at one layer."""
         return 0.0
 
-    def knob_values(self) -> dict[str, Any]:
+    def knob_values(self) -> dict[str, SettingValue]:
         """The settings the method reads (shared budget fields, then its own knobs), for
         reports and the disk tier's fingerprint."""
         spec = method_spec(self.name)
-        shared = {k: getattr(self.config, k) for k in spec.budget_fields}
+        shared: dict[str, SettingValue] = {k: getattr(self.config, k) for k in spec.budget_fields}
         return {**shared, **self.knobs.values()}
 
     # -- forward hooks ----------------------------------------------------------------
@@ -234,14 +246,8 @@ class SparseMethod:
         return pack_views(picks, self.num_kv_heads, q.device)
 
     # -- after the forward ------------------------------------------------------------
-    def after_step(
-        self,
-        steps: list[SeqStep],
-        scores: dict[int, list[torch.Tensor | None]],
-        kv: KVAccess,
-    ) -> None:
-        """`scores[layer][row]` is `[num_heads, L]`: the summed attention probabilities
-        of the requested query rows over the view (None where not requested)."""
+    def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
+        """Look at the step's scores (see `RowScores`) and keys, and evict through `kv`."""
 
     def release(self, seq_id: int) -> None:
         """Drop per-sequence state."""
@@ -289,10 +295,8 @@ def gqa_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return scores.view(num_kv_heads, h // num_kv_heads, length).mean(dim=1)
 
 
-def add_padded(acc: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+def add_padded(acc: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     """Sum score vectors of different lengths (a later chunk sees more keys)."""
-    if new is None:
-        return acc
     if acc is None:
         return new.float().clone()
     out = new.float().clone()
@@ -359,7 +363,7 @@ class ScoreEviction(SparseMethod):
         (`kv.keys(step.seq_id, layer)`), so the others pay no gather."""
         raise NotImplementedError
 
-    def after_step(self, steps, scores, kv):  # noqa: D102 (documented on the base)
+    def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         for step in steps:
             if not self.may_compress(step):
                 continue

@@ -10,11 +10,20 @@ the compaction, so the state stays aligned with the resident rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sparsevllm.sparse.base import ScoreEviction, SeqStep, add_padded, gqa_mean
+from sparsevllm.sparse.base import (
+    KVAccess,
+    MethodSettings,
+    RowScores,
+    ScoreEviction,
+    SeqStep,
+    add_padded,
+    gqa_mean,
+)
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 
@@ -33,8 +42,14 @@ class H2O(ScoreEviction):
     name = "h2o"
     knobs: H2OKnobs
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: MethodSettings,
+        num_layers: int,
+        num_kv_heads: int,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(config, num_layers, num_kv_heads, layers)
         self.budget = self.knobs.h2o_decode_budget or self.config.decode_keep_tokens
         self.interval = self.knobs.h2o_decode_eviction_interval
         self._acc: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [Hkv, L]
@@ -60,16 +75,19 @@ class H2O(ScoreEviction):
             return True
         return step.finishes_prompt and resident > self.budget
 
-    def after_step(self, steps, scores, kv):
+    def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         for step in steps:
             acc = self._acc.setdefault(step.seq_id, {})
             for layer, rows in scores.items():
-                if rows[step.row] is not None:
-                    votes = gqa_mean(rows[step.row].float(), self.num_kv_heads)
+                attn = rows[step.row]  # [num_heads, L]
+                if attn is not None:
+                    votes = gqa_mean(attn.float(), self.num_kv_heads)
                     acc[layer] = add_padded(acc.get(layer), votes)
         super().after_step(steps, scores, kv)
 
-    def score(self, layer, step, kv, attn):
+    def score(
+        self, layer: int, step: SeqStep, kv: KVAccess, attn: torch.Tensor | None
+    ) -> torch.Tensor:
         return self._acc[step.seq_id][layer]
 
     def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:

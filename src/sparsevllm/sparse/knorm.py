@@ -9,22 +9,28 @@ from __future__ import annotations
 
 import torch
 
-from sparsevllm.sparse.base import ScoreEviction
+from sparsevllm.sparse.base import KVAccess, ScoreEviction, SeqStep
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec
 
 
 class KNorm(ScoreEviction):
     name = "knorm"
 
-    def score(self, layer, step, kv, attn):
-        keys = kv.keys(step.seq_id, layer)  # [L, Hkv, D]
-        return -keys.float().norm(dim=-1).t()  # [Hkv, L]: a lower norm is more important
+    def score(
+        self, layer: int, step: SeqStep, kv: KVAccess, attn: torch.Tensor | None
+    ) -> torch.Tensor:
+        return low_norm_first(kv.keys(step.seq_id, layer))
+
+
+def low_norm_first(keys: torch.Tensor) -> torch.Tensor:
+    """Keys `[L, Hkv, D]` -> `[Hkv, L]` importance: a lower L2 norm is more important."""
+    norms: torch.Tensor = keys.float().norm(dim=-1)  # [L, Hkv] (torch types `norm` as Any)
+    return -norms.t()
 
 
 def prune_scores(keys: torch.Tensor, positions: torch.Tensor, knobs: MethodKnobs) -> torch.Tensor:
-    """KNorm's rule over a cached history: a lower key norm is more important; needs
-    only keys. keys `[L, Hkv, D]` -> `[Hkv, L]`."""
-    return -keys.float().norm(dim=-1).t()
+    """KNorm's rule over a cached history: it needs only the keys."""
+    return low_norm_first(keys)
 
 
 SPEC = MethodSpec(

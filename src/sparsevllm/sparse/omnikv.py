@@ -12,14 +12,24 @@ probabilities (head mean, masked top-k), with no host synchronisation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from sparsevllm.sparse.base import SeqStep, SparseMethod
+from sparsevllm.attention.scratch import ScratchKey
+from sparsevllm.sparse.base import MethodSettings, SeqStep, SparseMethod
 from sparsevllm.sparse.spec import MethodKnobs, MethodSpec, knob
 
+if TYPE_CHECKING:
+    from sparsevllm.attention.backend import ForwardBatch
+
 DEFAULT_FULL_LAYER_STRIDE = 8
+# Per-step picks of a full layer, which serve every layer up to the next full one: the
+# batch's (positions [S, B], lens [S]) and, on the reference path, one row's.
+_PICKS: ScratchKey[tuple[torch.Tensor, torch.Tensor]] = ScratchKey("omnikv.picks")
+_ROW_PICK: ScratchKey[torch.Tensor | None] = ScratchKey("omnikv.row_pick")
 
 
 @dataclass(frozen=True)
@@ -39,9 +49,16 @@ class OmniKV(SparseMethod):
     # one full layer's buffer is alive at a time. after_step reads no scores.
     uses_decode_view = True
     graph_decode_views = True
+    score_layers: frozenset[int]  # the full layers (set in __init__)
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: MethodSettings,
+        num_layers: int,
+        num_kv_heads: int,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(config, num_layers, num_kv_heads, layers)
         managed = self.layers  # sliding-window layers are not OmniKV's
         layers = self.knobs.full_attention_layers
         if layers is None:
@@ -60,22 +77,28 @@ class OmniKV(SparseMethod):
     def score_rows(self, step: SeqStep) -> int:
         return 1 if step.is_decode else 0
 
-    def select_view(self, layer, row, q, batch):
+    def select_view(
+        self, layer: int, row: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor | None:
         if layer in self.score_layers or not batch.score_rows[row]:
             return None
         source = max(f for f in self.full_layers if f < layer)
-        picked = batch.method_cache  # per step: the picks of a full layer serve its followers
-        if (source, row) not in picked:
+        key = _ROW_PICK.at(source, row)  # per step: a full layer's pick serves its followers
+        if key not in batch.method_cache:
             attn = batch.scores[source][row]  # [num_heads, L]; the last column is the query
-            picked[(source, row)] = omnikv_pick(attn, self.config.decode_keep_tokens)
-        return picked[(source, row)]
+            if attn is None:
+                raise RuntimeError(f"OmniKV: full layer {source} reported no scores")
+            batch.method_cache[key] = omnikv_pick(attn, self.config.decode_keep_tokens)
+        return batch.method_cache[key]
 
-    def select_views(self, layer, q, batch):
+    def select_views(
+        self, layer: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Host lists only: a step where nobody decodes (or a full layer) reads everything.
         if layer in self.score_layers or not any(batch.score_rows):
             return None
         source = max(f for f in self.full_layers if f < layer)
-        key = ("omnikv", source)  # the picks of a full layer serve all its followers
+        key = _PICKS.at(source)  # the picks of a full layer serve all its followers
         if key not in batch.method_cache:
             context = batch.view_lens_t[batch.group_of_layer[source]] - 1  # [S]
             batch.method_cache[key] = omnikv_picks(

@@ -9,8 +9,10 @@ fewer than sink + recent + 1 tokens).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sparsevllm.sparse.base import MethodSettings
 from sparsevllm.sparse.snapkv import SnapKV, SnapKVKnobs
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodSpec, knob
 
@@ -29,8 +31,14 @@ class PyramidKV(SnapKV):
     name = "pyramidkv"
     knobs: PyramidKVKnobs
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: MethodSettings,
+        num_layers: int,
+        num_kv_heads: int,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(config, num_layers, num_kv_heads, layers)
         c = self.config
         # The pyramid runs over the managed layers (sliding-window layers keep their window).
         budgets = pyramid_budgets(

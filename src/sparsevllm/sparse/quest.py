@@ -18,15 +18,22 @@ positions on the device, with no host synchronisation and a width fixed by the c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from sparsevllm.sparse.base import SparseMethod
+from sparsevllm.attention.scratch import ScratchKey
+from sparsevllm.sparse.base import KVAccess, MethodSettings, SparseMethod
 from sparsevllm.sparse.quest_pages import QuestPages
 from sparsevllm.sparse.spec import MethodKnobs, MethodSpec, knob
 
-_ACTIVE = "quest_sparse"  # method_cache key: some decode row of the step needs pages
+if TYPE_CHECKING:
+    from sparsevllm.attention.backend import ForwardBatch
+
+# Per step (set by begin_step): some decode row of the step needs pages.
+_ACTIVE: ScratchKey[bool] = ScratchKey("quest.active")
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,14 @@ class Quest(SparseMethod):
     uses_decode_view = True
     graph_decode_views = True
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: MethodSettings,
+        num_layers: int,
+        num_kv_heads: int,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(config, num_layers, num_kv_heads, layers)
         # (seq_id, layer) -> (page_min, page_max), each [P, Hkv, D], full pages only
         self._pages: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._dense_layers = frozenset(self.layers[: self.knobs.quest_skip_layers])
@@ -57,12 +70,12 @@ class Quest(SparseMethod):
         n = len(self.pages.layers) if self.pages else 0
         return n * kv_bytes_per_layer_slot / self.knobs.quest_chunk_size
 
-    def begin_step(self, batch):
+    def begin_step(self, batch: ForwardBatch) -> None:
         if self.pages is None:
             return
         size, budget = self.knobs.quest_chunk_size, self.config.decode_keep_tokens
         group = batch.group_of_layer[self.pages.layers[0]]
-        need = []  # (seq_id, table row, full pages) of decode rows past the budget
+        need: list[tuple[int, int, int]] = []  # (seq_id, table row, full pages) past budget
         for i, step in enumerate(batch.steps):
             context = batch.view_lens[group][i] - 1
             if step.is_decode and batch.q_lens[i] == 1 and context > budget:
@@ -73,7 +86,7 @@ class Quest(SparseMethod):
             shape = (rows, max_len // size)
             self.pages.update(batch.kv, need, shape, batch.rows_t.device)
 
-    def prepare_graph_capture(self, kv, num_rows, max_len):
+    def prepare_graph_capture(self, kv: KVAccess, num_rows: int, max_len: int) -> None:
         if self.pages is not None:
             self.pages.allocate(kv, (num_rows, max_len // self.knobs.quest_chunk_size))
 
@@ -81,48 +94,61 @@ class Quest(SparseMethod):
     def graph_epoch(self) -> int:
         return self.pages.epoch if self.pages is not None else 0
 
-    def select_views(self, layer, q, batch):
+    def select_views(
+        self, layer: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Host flag from begin_step: a step with no row past the budget reads everything.
         # A captured graph has no such flag and always selects (rows within the budget
         # read their whole context either way).
         if layer in self._dense_layers or not batch.method_cache.get(_ACTIVE, True):
             return None
+        pages = self.pages
+        if pages is None or pages.table is None:  # no sparse layer, or no pages needed yet
+            return None
         size = self.knobs.quest_chunk_size
         context = batch.view_lens_t[batch.group_of_layer[layer]] - 1  # [S]
-        table = self.pages.table[batch.rows_t.long()]  # [S, P] page ids
+        table = pages.table[batch.rows_t.long()]  # [S, P] page ids
         full = torch.div(context, size, rounding_mode="floor")  # [S] full pages
-        scores = batched_page_scores(q, self.pages.bounds[layer], table, full)  # [S, Hkv, P]
+        scores = batched_page_scores(q, pages.bounds[layer], table, full)  # [S, Hkv, P]
         subset, lens = quest_views(scores, context, size, self.config.decode_keep_tokens)
         # Prefill rows (a one-token chunk) read their whole view.
         return subset, torch.where(batch.decode_t, lens, torch.full_like(lens, -1))
 
-    def select_view(self, layer, row, q, batch):
+    def select_view(
+        self, layer: int, row: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor | None:
         step = batch.steps[row]
         if layer in self._dense_layers or not step.is_decode:
             return None
         size, budget = self.knobs.quest_chunk_size, self.config.decode_keep_tokens
         context = batch.kv.resident(step.seq_id, layer) - 1  # the new token is read anyway
-        if context <= budget:
-            return None
-        pmin, pmax = self._update_pages(step.seq_id, layer, context, batch.kv)
         full = context // size
+        # Within the budget, or no full page yet: the whole context is read (the tail
+        # always is, whole).
+        if context <= budget or full == 0:
+            return None
+        pmin, pmax = self._update_pages(step.seq_id, layer, full, batch.kv)
         tail = torch.arange(full * size, context, device=q.device)
         n_pages = max(0, (budget - tail.numel()) // size)
         scores = page_scores(q, pmin[:full], pmax[:full], self.num_kv_heads)  # [Hkv, full]
         return quest_positions(scores, n_pages, size, tail)
 
-    def _update_pages(self, seq_id, layer, context, kv):
+    def _update_pages(
+        self, seq_id: int, layer: int, full: int, kv: KVAccess
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page_min, page_max) `[>= full, Hkv, D]` of the view's pages, the first `full`
+        (>= 1) computed."""
         size = self.knobs.quest_chunk_size
-        pmin, pmax = self._pages.get((seq_id, layer), (None, None))
-        done = 0 if pmin is None else pmin.shape[0]
-        full = context // size
-        if full > done:
-            keys = kv.keys(seq_id, layer, done * size, full * size)  # [n*size, Hkv, D]
-            keys = keys.float().view(full - done, size, *keys.shape[1:])
-            new_min, new_max = keys.amin(dim=1), keys.amax(dim=1)
-            pmin = new_min if pmin is None else torch.cat([pmin, new_min])
-            pmax = new_max if pmax is None else torch.cat([pmax, new_max])
-            self._pages[(seq_id, layer)] = (pmin, pmax)
+        cached = self._pages.get((seq_id, layer))
+        done = 0 if cached is None else cached[0].shape[0]
+        if cached is not None and full <= done:
+            return cached
+        keys = kv.keys(seq_id, layer, done * size, full * size)  # [n*size, Hkv, D]
+        keys = keys.float().view(full - done, size, *keys.shape[1:])
+        pmin, pmax = keys.amin(dim=1), keys.amax(dim=1)
+        if cached is not None:
+            pmin, pmax = torch.cat([cached[0], pmin]), torch.cat([cached[1], pmax])
+        self._pages[(seq_id, layer)] = (pmin, pmax)
         return pmin, pmax
 
     def release(self, seq_id: int) -> None:

@@ -104,7 +104,9 @@ class QuestPages:
         for row in [r for r, s in self._owner.items() if s == seq_id]:
             del self._owner[row]
 
-    def _ref(self, key: tuple[int, ...], new: list, kv: KVAccess) -> int:
+    def _ref(
+        self, key: tuple[int, ...], new: list[tuple[int, tuple[int, ...]]], kv: KVAccess
+    ) -> int:
         page = self._by_key.get(key)
         if page is None:
             if not self._free:
@@ -123,6 +125,8 @@ class QuestPages:
 
     def _grow(self, kv: KVAccess) -> None:
         """First use: num_slots // page_size + table rows pages; later: double."""
+        if self.table is None:
+            raise RuntimeError("the page table is made before the page pool")
         old = self.capacity
         size = old * 2 if old else kv.num_slots // self.page_size + self.table.shape[0]
         for layer in self.layers:
@@ -136,7 +140,9 @@ class QuestPages:
             logger.warning("Quest page pool grew from %d to %d pages", old, size)
         self._free.extend(range(size - 1, old - 1, -1))
 
-    def _compute(self, kv: KVAccess, new: list, device: torch.device) -> None:
+    def _compute(
+        self, kv: KVAccess, new: list[tuple[int, tuple[int, ...]]], device: torch.device
+    ) -> None:
         """Bounds of new pages at every sparse layer: one gather + min/max per layer (in
         chunks, so a batch entering decode after long prompts stays within memory)."""
         for start in range(0, len(new), _CHUNK_PAGES):

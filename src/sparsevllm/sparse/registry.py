@@ -13,12 +13,20 @@ import difflib
 import importlib
 from collections.abc import Mapping
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
-from sparsevllm.sparse.spec import PREFILL_POLICIES, SHARED_DEFAULTS, MethodKnobs, MethodSpec
+from sparsevllm.sparse.spec import (
+    PREFILL_POLICIES,
+    SHARED_DEFAULTS,
+    MethodKnobs,
+    MethodSpec,
+    SettingValue,
+)
 
 if TYPE_CHECKING:
     from sparsevllm.sparse.base import MethodSettings, SparseMethod
+
+T = TypeVar("T")
 
 ENTRY_POINT_GROUP = "sparsevllm.sparse_methods"
 _M = "sparsevllm.sparse."
@@ -75,7 +83,7 @@ def method_names() -> list[str]:
     return list(_MODULES) + [name for name in _SPECS if name not in _MODULES]
 
 
-def canonical_method_name(name: str) -> str:
+def canonical_method_name(name: object) -> str:
     """Return the canonical method name for `name` or an alias; clear error otherwise."""
     if not isinstance(name, str):
         raise ValueError(f"sparse_method must be a string, got {name!r}")
@@ -134,7 +142,7 @@ def all_knob_names() -> list[str]:
     return list(names)
 
 
-def drop_foreign_knobs(method: str, values: Mapping[str, Any]) -> dict[str, Any]:
+def drop_foreign_knobs(method: str, values: Mapping[str, T]) -> dict[str, T]:
     """`values` without the knobs of other methods: settings shared by runs of several
     methods (a quality grid's config file) apply to each method as far as they can."""
     own = set(method_spec(method).knobs.names())
@@ -159,7 +167,7 @@ def resolve_prefill_policy(method: str, explicit: str | None) -> str:
 
 
 def budget_overrides(
-    method: str, budget: int, shared_defaults: Mapping[str, Any] | None = None
+    method: str, budget: int, shared_defaults: Mapping[str, SettingValue] | None = None
 ) -> dict[str, int]:
     """Settings that give `method` a KV budget of `budget` tokens per layer.
 
@@ -179,11 +187,11 @@ def budget_overrides(
         raise ValueError(f"budget must be a positive integer, got {budget!r}")
     if shared_defaults is None:
         shared_defaults = SHARED_DEFAULTS
-    sink = min(int(shared_defaults["sink_keep_tokens"]), budget - 1)
+    sink = min(_count(shared_defaults, "sink_keep_tokens"), budget - 1)
     if spec.budget_knob == "recent_keep_tokens":
         recent = budget - sink
     else:
-        recent = min(int(shared_defaults["recent_keep_tokens"]), budget - sink)
+        recent = min(_count(shared_defaults, "recent_keep_tokens"), budget - sink)
     overrides = {
         "sink_keep_tokens": sink,
         "recent_keep_tokens": recent,
@@ -191,6 +199,13 @@ def budget_overrides(
     }
     overrides.setdefault(spec.budget_knob, budget)
     return overrides
+
+
+def _count(settings: Mapping[str, SettingValue], name: str) -> int:
+    value = settings[name]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number of tokens, got {value!r}")
+    return int(value)
 
 
 def create_method(
@@ -227,7 +242,7 @@ def methods_table() -> list[dict[str, object]]:
     return rows
 
 
-def validate_knobs(method: str, values: Mapping[str, Any]) -> MethodKnobs:
+def validate_knobs(method: str, values: Mapping[str, object]) -> MethodKnobs:
     """The method's knobs dataclass from `values`; a knob of another method, or an
     unknown one, fails with a message naming the owner or the closest valid name."""
     spec = method_spec(method)

@@ -14,12 +14,21 @@ result does not depend on the chunk size.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from sparsevllm.sparse.base import ScoreEviction, SeqStep, add_padded, gqa_mean
+from sparsevllm.sparse.base import (
+    KVAccess,
+    MethodSettings,
+    RowScores,
+    ScoreEviction,
+    SeqStep,
+    add_padded,
+    gqa_mean,
+)
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 
@@ -37,8 +46,14 @@ class SnapKV(ScoreEviction):
     name = "snapkv"
     knobs: SnapKVKnobs
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: MethodSettings,
+        num_layers: int,
+        num_kv_heads: int,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(config, num_layers, num_kv_heads, layers)
         # seq_id -> layer -> [num_heads, L] window attention summed so far
         self._window: dict[int, dict[int, torch.Tensor]] = {}
 
@@ -48,19 +63,23 @@ class SnapKV(ScoreEviction):
             return 0
         return step.end - max(step.start, window_start)
 
-    def after_step(self, steps, scores, kv):
+    def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         for step in steps:
             if self.score_rows(step) == 0:
                 continue
             acc = self._window.setdefault(step.seq_id, {})
             for layer, rows in scores.items():
-                acc[layer] = add_padded(acc.get(layer), rows[step.row])
+                attn = rows[step.row]  # [num_heads, L] of this chunk's window queries
+                if attn is not None:
+                    acc[layer] = add_padded(acc.get(layer), attn)
         super().after_step(steps, scores, kv)
         for step in steps:
             if step.finishes_prompt:
                 self._window.pop(step.seq_id, None)
 
-    def score(self, layer, step, kv, attn):
+    def score(
+        self, layer: int, step: SeqStep, kv: KVAccess, attn: torch.Tensor | None
+    ) -> torch.Tensor:
         window = self._window[step.seq_id][layer]  # [num_heads, L]
         return snapkv_scores(window, self.num_kv_heads, self.knobs.snapkv_pool_kernel_size)
 

@@ -23,12 +23,18 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, Union, cast
 
 if TYPE_CHECKING:
     import torch
 
     from sparsevllm.sparse.base import SparseMethod
+
+T = TypeVar("T")
+
+# A setting's value once validated (engine settings and method knobs alike); the JSON and
+# CLI forms, e.g. a list or a comma-separated string for a tuple, are converted first.
+SettingValue: TypeAlias = int | float | bool | str | tuple[int, ...] | None
 
 FAMILIES = ("dense", "physical_eviction", "logical_masking", "query_aware_selection")
 PREFILL_POLICIES = ("all_chunked", "long_bs1full_short_batch")
@@ -42,11 +48,11 @@ SHARED_BUDGET = tuple(SHARED_DEFAULTS)
 
 
 def knob(
-    default: Any,
+    default: T,
     help: str,  # noqa: A002 (the argparse word)
     *,
     minimum: float | None = None,
-) -> Any:
+) -> T:
     """A knob field: its default, its help text (CLI and `sparsevllm methods`) and an
     inclusive lower bound checked at construction."""
     return dataclasses.field(default=default, metadata={"help": help, "minimum": minimum})
@@ -77,16 +83,17 @@ class MethodKnobs:
         return str(next(f for f in dataclasses.fields(cls) if f.name == name).metadata["help"])
 
     @classmethod
-    def type_of(cls, name: str) -> type:
+    def type_of(cls, name: str) -> type[object]:
         """The knob's value type without Optional (`int`, `float`, `bool`, `str`, `tuple`)."""
-        return _base_type(typing.get_type_hints(cls)[name])
+        return base_type(typing.get_type_hints(cls)[name])
 
     @classmethod
-    def defaults(cls) -> dict[str, Any]:
-        return {f.name: f.default for f in dataclasses.fields(cls)}
+    def defaults(cls) -> dict[str, SettingValue]:
+        fields = dataclasses.fields(cls)
+        return {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], method: str) -> MethodKnobs:
+    def from_mapping(cls, values: Mapping[str, object], method: str) -> MethodKnobs:
         """Validate `values` (a subset of the knobs); unknown names fail with the closest."""
         for key in values:
             if key not in cls.names():
@@ -96,7 +103,7 @@ class MethodKnobs:
                 raise ValueError(f"unknown knob {key!r} of {method}{hint} (its knobs: {valid})")
         return cls(**values)
 
-    def values(self) -> dict[str, Any]:
+    def values(self) -> dict[str, SettingValue]:
         return {name: getattr(self, name) for name in self.names()}
 
 
@@ -107,7 +114,7 @@ class NoKnobs(MethodKnobs):
 
 # Scores a cached history's entries for pruning: (keys `[L, Hkv, D]`, logical positions
 # `[Hkv, L]`, the scoring method's knobs) -> `[Hkv, L]` float32 importance (higher kept).
-PruneScorer = Callable[["torch.Tensor", "torch.Tensor", MethodKnobs], "torch.Tensor"]
+PruneScorer: TypeAlias = Callable[["torch.Tensor", "torch.Tensor", MethodKnobs], "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -158,15 +165,19 @@ class MethodSpec:
         return (*self.budget_fields, *self.knobs.names())
 
 
-def _base_type(hint: Any) -> type:
+def base_type(hint: object) -> type[object]:
+    """The class of a setting's annotation without Optional: `int | None` -> int,
+    `tuple[int, ...]` -> tuple."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) in (Union, types.UnionType) and len(args) == 1:
         hint = args[0]
-    origin = typing.get_origin(hint)
-    return origin if origin is not None else hint
+    kind = typing.get_origin(hint) or hint
+    if not isinstance(kind, type):
+        raise TypeError(f"a setting's annotation must be one class or Optional of it, got {hint}")
+    return kind
 
 
-def _coerce(name: str, value: Any, hint: Any) -> Any:
+def _coerce(name: str, value: object, hint: object) -> SettingValue:
     """Check `value` against the knob's annotation; JSON and CLI forms are converted
     (an int where a float belongs, a comma-separated string or a list for a tuple)."""
     optional = type(None) in typing.get_args(hint)
@@ -174,7 +185,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if optional:
             return None
         raise ValueError(f"{name} must be set, got None")
-    kind = _base_type(hint)
+    kind = base_type(hint)
     if kind is tuple:
         return _coerce_tuple(name, value)
     if isinstance(value, bool) and kind is not bool:
@@ -183,10 +194,10 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         return float(value)
     if not isinstance(value, kind):
         raise ValueError(f"{name} has the wrong type: got {type(value).__name__} {value!r}")
-    return value
+    return cast(SettingValue, value)  # an instance of the knob's own (setting) type
 
 
-def _coerce_tuple(name: str, value: Any) -> tuple[int, ...]:
+def _coerce_tuple(name: str, value: object) -> tuple[int, ...]:
     if isinstance(value, str):
         try:
             value = [int(x) for x in value.replace(" ", "").split(",") if x]

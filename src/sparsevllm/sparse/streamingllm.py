@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsevllm.sparse.base import KVAccess, SeqStep, SparseMethod
+from sparsevllm.sparse.base import KVAccess, RowScores, SeqStep, SparseMethod
 from sparsevllm.sparse.spec import MethodKnobs, MethodSpec
 
 
@@ -28,7 +28,7 @@ class StreamingLLM(SparseMethod):
     def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
         return min(prompt_len + max_tokens, self.budget + 1)
 
-    def after_step(self, steps: list[SeqStep], scores, kv: KVAccess) -> None:
+    def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         sink, recent = self.config.sink_keep_tokens, self.config.recent_keep_tokens
         layer = self.layers[0]  # one group holds every managed layer
         for step in steps:

@@ -8,7 +8,9 @@ a prefill chunk is cut back with its last query's attention.
 
 from __future__ import annotations
 
-from sparsevllm.sparse.base import SeqStep, SparseMethod
+import torch
+
+from sparsevllm.sparse.base import KVAccess, RowScores, SeqStep, SparseMethod
 from sparsevllm.sparse.spec import MethodSpec
 
 
@@ -27,7 +29,7 @@ class TOVA(SparseMethod):
     def score_rows(self, step: SeqStep) -> int:
         return 1
 
-    def after_step(self, steps, scores, kv):
+    def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         budget = self.config.decode_keep_tokens
         for step in steps:
             for layer, rows in scores.items():
@@ -37,7 +39,7 @@ class TOVA(SparseMethod):
                 kv.keep(step.seq_id, kv.group_of(layer), tova_keep(attn, budget))
 
 
-def tova_keep(attn, budget: int) -> list[int]:
+def tova_keep(attn: torch.Tensor, budget: int) -> list[int]:
     """Positions of the `budget` tokens with the highest head-averaged attention."""
     return sorted(attn.float().mean(dim=0).topk(budget).indices.tolist())
 

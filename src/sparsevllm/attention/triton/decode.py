@@ -36,7 +36,7 @@ from sparsevllm.attention.triton._common import (
 
 
 @triton.jit
-def _decode_partial_kernel(
+def _decode_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -181,7 +181,7 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _decode_merge_kernel(
+def _decode_merge_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     ws_m_ptr,
     ws_l_ptr,
     ws_acc_ptr,
@@ -221,7 +221,7 @@ def _decode_merge_kernel(
 
 
 @triton.jit
-def _scores_normalize_kernel(
+def _scores_normalize_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     scores_ptr,
     lse_ptr,
     lens_ptr,
@@ -299,7 +299,8 @@ def decode_attention(
     block_d = next_pow2(max(head_dim, 16))
     block_n = block_n or (64 if block_d <= 128 else 32)
     write_scores = scores_out is not None
-    if write_scores:
+    lse: torch.Tensor | None = None
+    if scores_out is not None:
         if (
             scores_out.shape != (num_seqs, num_q_heads, max_len)
             or scores_out.dtype != torch.float32
@@ -309,9 +310,10 @@ def decode_attention(
         if subset is not None or window is not None:
             scores_out.fill_(float("-inf"))  # positions not read normalize to 0
         lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32, device=q.device)
-    else:
-        lse = None
 
+    ws_m: torch.Tensor | None = None
+    ws_l: torch.Tensor | None = None
+    ws_acc: torch.Tensor | None = None
     if num_splits > 1:
         ws_m = torch.empty(
             (num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device
@@ -320,11 +322,10 @@ def decode_attention(
         ws_acc = torch.empty(
             (num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device
         )
-    else:
-        ws_m = ws_l = ws_acc = None
     has_subset = subset is not None
-    grid = (num_kv_heads, num_seqs) if heads_fastest else (num_seqs, num_kv_heads)
-    _decode_partial_kernel[(*grid, num_splits)](
+    seq_head = (num_kv_heads, num_seqs) if heads_fastest else (num_seqs, num_kv_heads)
+    grid = (*seq_head, num_splits)
+    _decode_partial_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -348,13 +349,13 @@ def decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         table.stride(0),
-        subset.stride(0) if has_subset else 0,
-        subset.stride(1) if has_subset else 0,
+        subset.stride(0) if subset is not None else 0,
+        subset.stride(1) if subset is not None else 0,
         out.stride(0),
         out.stride(1),
-        scores_out.stride(0) if write_scores else 0,
-        scores_out.stride(1) if write_scores else 0,
-        subset.shape[2] if has_subset else 0,
+        scores_out.stride(0) if scores_out is not None else 0,
+        scores_out.stride(1) if scores_out is not None else 0,
+        subset.shape[2] if subset is not None else 0,
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
@@ -384,7 +385,7 @@ def decode_attention(
             WRITE_SCORES=write_scores,
             num_warps=4 if block_d * next_pow2(num_splits) >= 4096 else 1,
         )
-    if write_scores:
+    if scores_out is not None:
         block = 1024
         _scores_normalize_kernel[(num_seqs, num_q_heads, triton.cdiv(max_len, block))](
             scores_out,

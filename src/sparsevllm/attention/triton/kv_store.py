@@ -10,7 +10,7 @@ from sparsevllm.attention.triton._common import check_last_dim_contiguous, next_
 
 
 @triton.jit
-def _store_kv_kernel(
+def _store_kv_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     k_ptr,
     v_ptr,
     k_cache_ptr,

@@ -22,7 +22,7 @@ from sparsevllm.attention.triton._common import next_pow2
 
 
 @triton.jit
-def _rms_norm_kernel(
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     x_ptr,
     w_ptr,
     out_ptr,

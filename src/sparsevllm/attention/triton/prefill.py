@@ -36,7 +36,7 @@ from sparsevllm.attention.triton._common import (
 
 
 @triton.jit
-def _softmax_step(
+def _softmax_step(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     q,
     k_ptrs,
     v_ptrs,
@@ -70,7 +70,7 @@ def _softmax_step(
 
 
 @triton.jit
-def _prefill_kernel(
+def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,

@@ -19,7 +19,7 @@ from sparsevllm.attention.triton._common import next_pow2
 
 
 @triton.jit
-def _quest_scores_kernel(
+def _quest_scores_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     q_pos_ptr,
     q_neg_ptr,
     bounds_ptr,

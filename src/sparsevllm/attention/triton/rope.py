@@ -16,7 +16,7 @@ from sparsevllm.attention.triton._common import next_pow2
 
 
 @triton.jit
-def _rotate_heads(
+def _rotate_heads(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     x_ptr,
     out_ptr,
     stride_xt,
@@ -47,7 +47,7 @@ def _rotate_heads(
 
 
 @triton.jit
-def _rope_kernel(
+def _rope_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     q_ptr,
     k_ptr,
     q_out_ptr,
