@@ -7,7 +7,7 @@ import torch
 
 from engine_helpers import run_request
 from sparsevllm import LLM, SamplingParams
-from sparsevllm.engine.chain_cache import ChainBusyError
+from sparsevllm.engine.cache.store import ChainBusyError
 from tiny_gemma3 import save_tiny_gemma3
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -133,12 +133,12 @@ def test_cpu_offload_restores_identical_kv_and_output(model):
     def turn_two(llm, pressure: bool):
         engine = llm.engine
         out, _ = run_one(engine, first, chain_id="keep")
-        owner = engine.chains.chains["keep"].owner
+        owner = engine.store.chains.chains["keep"].owner
         saved = [(k[t].clone(), v[t].clone()) for k, v, t in _views(engine, owner)]
         if pressure:  # other conversations need the room
             for j in range(3):
                 run_one(engine, [2] + [(7 * i + j) % 240 + 3 for i in range(200)])
-            assert engine.chains.chains["keep"].offloaded
+            assert engine.store.chains.chains["keep"].offloaded
             assert not engine.pool.has(owner)
         follow = first + out.token_ids + [9, 8, 7]
         rid = engine.add_request(follow, GREEDY, chain_id="keep")
@@ -157,7 +157,7 @@ def test_cpu_offload_restores_identical_kv_and_output(model):
     squeezed = turn_two(llm, pressure=True)
     assert squeezed.chain_status == "continued (restored from CPU)"
     assert squeezed.token_ids == calm.token_ids
-    assert llm.engine.offload.num_offloaded >= 1 and llm.engine.offload.num_restored == 1
+    assert llm.engine.store.tiers.num_offloaded >= 1 and llm.engine.store.tiers.num_restored == 1
 
 
 def _views(engine, owner):

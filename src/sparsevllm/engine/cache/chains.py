@@ -1,12 +1,14 @@
-"""Chain cache: conversations continue from an eviction method's resident state.
+"""Chains: conversations continue from an eviction method's resident state.
 
 A prefix cache cannot serve eviction methods: the KV they keep is no longer a plain
 prefix. Instead, when a turn ends its whole sequence state stays resident as an idle
 *chain*: the logical tokens it has processed, the retained KV (the pool's slot tables
 of its owner sequence id) and the method's own state (kept by the method under the same
 id). A new request whose tokens start with a chain's tokens continues from that state
-and prefills only its new suffix. Pure Python: the engine supplies `on_drop`, which
-frees a dropped chain's slots and method state.
+and prefills only its new suffix. This module keeps the chains' bookkeeping (lookup,
+one writer per chain, least-recently-used reclaim); the chain store (`chain_store.py`)
+supplies `on_drop`, which frees a dropped chain's slots and method state, and the
+offload callbacks. Pure Python.
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
-class ChainBusyError(ValueError):
-    """A second request tried to write to a chain that a running request is extending."""
+from sparsevllm.engine.cache.store import ChainBusyError, ChainRow
 
 
 @dataclass
@@ -36,6 +36,8 @@ class Chain:
 
 
 class ChainCache:
+    """Idle and busy chains by id; `on_drop(owner)` frees what a dropped chain held."""
+
     def __init__(
         self,
         on_drop: Callable[[int], None],
@@ -136,10 +138,13 @@ class ChainCache:
         if chain is not None:
             self.drop(chain)
 
-    def forget(self, chain_id: str | None) -> None:
-        """The running request of a busy chain was aborted or preempted: its state is gone."""
-        if chain_id is not None:
-            self.chains.pop(chain_id, None)
+    def forget(self, chain_id: str | None, owner: int) -> None:
+        """The running request `owner` of chain `chain_id` was aborted or preempted: the
+        chain's state, which it had taken over, is gone. (A chain of that id parked
+        meanwhile by another request keeps its own state.)"""
+        chain = self.chains.get(chain_id) if chain_id is not None else None
+        if chain is not None and chain.owner == owner:
+            del self.chains[chain.chain_id]
 
     def drop(self, chain: Chain) -> None:
         self.chains.pop(chain.chain_id, None)
@@ -167,7 +172,7 @@ class ChainCache:
                 self.drop(chain)
             freed += chain.resident
 
-    def listing(self) -> list[dict[str, object]]:
+    def listing(self) -> list[ChainRow]:
         return [
             {
                 "chain_id": c.chain_id,
