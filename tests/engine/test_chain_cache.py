@@ -8,6 +8,7 @@ import torch
 from engine_helpers import run_request
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.engine.cache.store import ChainBusyError
+from store_harness import Engine, World
 from tiny_gemma3 import save_tiny_gemma3
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -165,3 +166,19 @@ def _views(engine, owner):
     for layer in range(runner.num_layers):
         table = torch.tensor(pool.table(owner, pool.group_of_layer[layer]))
         yield runner.k_cache[layer], runner.v_cache[layer], table
+
+
+def test_an_aborted_request_leaves_the_chain_another_request_parked_under_its_id():
+    """Two requests name an unknown chain; the first to finish parks it. Aborting the
+    other must not take that chain (and leak its slots): it never held it."""
+    world = World("chain", "none")
+    engine = Engine(world)
+    first, second = engine.add([1, 2, 3], "x"), engine.add([1, 2, 4], "x")
+    assert first.chain_status == second.chain_status == "not_found"
+    assert engine.admit(first, 5) and engine.admit(second, 6)
+    engine.finish(first)
+    engine.abort(second)
+    chain = world.store.chains.chains["x"]
+    assert chain.owner == first.seq_id and world.pool.resident(first.seq_id) == 3
+    assert world.store.reclaimable_slots == 3
+    assert engine.add([1, 2, 3, 5, 7], "x").chain_status == "continued"
