@@ -22,7 +22,7 @@ from sparsevllm.engine.cache.disk_tier import DiskTier
 from sparsevllm.engine.cache.host_tier import HostTier
 from sparsevllm.engine.cache.kv_rows import KVRows, StatePayload
 from sparsevllm.engine.cache.radix_store import RadixStore
-from sparsevllm.engine.cache.store import NO_CLAIM, PrefixStore, PruneSpec
+from sparsevllm.engine.cache.store import PrefixStore, PruneSpec
 from sparsevllm.engine.cache.tier_stack import TierStack
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.sequence import Sequence
@@ -172,7 +172,7 @@ class Engine:
 
     def add(self, prompt: list[int], chain_id: str | None) -> Sequence:
         """`LLMEngine.add_request`: ChainBusyError propagates, nothing is queued."""
-        claim = self.store.claim(prompt, chain_id) if self.store else NO_CLAIM
+        claim = self.store.claim(prompt, chain_id)
         seq_id = claim.owner if claim.owner is not None else next(self.world.ids)
         seq = Sequence(seq_id, f"r{seq_id}", prompt, SamplingParams(max_tokens=8))
         seq.chain_id, seq.chain_status = claim.chain_id, claim.status
@@ -219,12 +219,12 @@ class Engine:
         self.pool.replace_view(seq.seq_id, group, keep)
 
     def finish(self, seq: Sequence) -> None:
+        """`Scheduler.finish` for a normal end, then the engine forgetting `seq`."""
         self.running.remove(seq)
         self.histories.append(seq.token_slice(0, seq.num_computed_tokens))
-        if self.store is not None and self.store.finish(seq):
+        if self.store.finish(seq):
             self.snapshots[seq.seq_id] = self.world.values(seq.seq_id)
-        else:
-            self._release(seq)
+        else:  # the store kept slots at most: the method's state goes
             self.world.state.release(seq.seq_id)
 
     def abort(self, seq: Sequence) -> None:
@@ -241,5 +241,4 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.seq_id)
-        if self.store is not None:
-            self.store.release(seq)
+        self.store.release(seq)

@@ -182,3 +182,39 @@ def test_an_aborted_request_leaves_the_chain_another_request_parked_under_its_id
     assert chain.owner == first.seq_id and world.pool.resident(first.seq_id) == 3
     assert world.store.reclaimable_slots == 3
     assert engine.add([1, 2, 3, 5, 7], "x").chain_status == "continued"
+
+
+def test_a_turn_parked_under_the_id_of_a_chain_being_extended_leaves_it_alone():
+    """One writer per chain: a request that named an unknown id finishes after another
+    request parked a chain under that id and a third continued it; the running third
+    request keeps the chain (and its KV), the late turn's state is freed."""
+    world = World("chain", "none")
+    engine = Engine(world)
+    late, early = engine.add([1, 2, 3], "x"), engine.add([3, 3], "x")
+    assert engine.admit(late, 1) and engine.admit(early, 2)
+    engine.finish(early)
+    third = engine.add([3, 3, 2, 1], None)  # extends "x": continues it
+    assert third.chain_status == "continued" and third.seq_id == early.seq_id
+    assert engine.admit(third, 1)
+    engine.finish(late)
+    assert world.store.chains.chains["x"].owner == third.seq_id
+    assert world.pool.has(third.seq_id) and not world.pool.has(late.seq_id)
+
+
+def test_idle_chains_with_uneven_groups_promise_only_the_room_they_free():
+    """A chain holding fewer slots in one layer group frees fewer there: the pool counts
+    on the emptiest group's share, so an append it allows always succeeds."""
+    world = World("chain", "none")  # 24 slots in each of two layer groups
+    engine = Engine(world)
+    idle = engine.add([1] * 8, None)
+    engine.admit(idle, 1)
+    engine.evict(idle, group=1, keep_every=2)  # keeps 4 of 8 in group 1
+    engine.finish(idle)
+    chain = world.store.chains.by_owner(idle.seq_id)
+    assert (chain.resident, chain.reclaim) == (8, 4)
+    running = engine.add([2] * 12, None)
+    engine.admit(running, 1)
+    engine.evict(running, group=0, keep_every=2)  # free: 10 in group 0, 8 in group 1
+    assert world.pool.can_append(12) and not world.pool.can_append(13)
+    world.pool.append(999, 12)  # the chain goes, group 1 has room
+    assert world.store.chains.chains == {}

@@ -250,18 +250,21 @@ def check_chains(world: World, engine: Engine) -> None:
     for seq_id in live:
         for g in range(pool.num_groups):
             held[g].extend(pool.table(seq_id, g) if pool.has(seq_id) else [])
-    reclaimable, tiers, kept_state = 0, [], set()  # tiers: (tier, owner) when offloaded
+    cached = reclaimable = 0
+    tiers, kept_state = [], set()  # tiers: (tier, owner) of offloaded chains
     for chain in store.chains.chains.values():
         if chain.busy:  # the request that continues it owns its state
             assert live[chain.owner].chain_id == chain.chain_id
             continue
         assert chain.owner not in live
         if chain.tier is None:
-            assert pool.resident(chain.owner) == chain.resident
+            main = [pool.num_resident(chain.owner, g) for g in range(pool.num_main_groups)]
+            assert (chain.resident, chain.reclaim) == (max(main), min(main))
             assert world.values(chain.owner) == engine.snapshots[chain.owner]
             for g in range(pool.num_groups):
                 held[g].extend(pool.table(chain.owner, g))
-            reclaimable += chain.resident
+            cached += chain.resident
+            reclaimable += chain.reclaim
         else:
             assert not pool.has(chain.owner) and world.stack.counts(chain.owner) is not None
             tiers.append((chain.tier, chain.owner))
@@ -273,7 +276,7 @@ def check_chains(world: World, engine: Engine) -> None:
     running = {seq.seq_id for seq in engine.running}
     assert running | kept_state <= set(world.state.held) <= set(live) | kept_state
     listing = store.listing()
-    assert listing["kv_slots_cached"] == reclaimable == store.stats()["kv_slots_cached"]
+    assert listing["kv_slots_cached"] == cached == store.stats()["kv_slots_cached"]
     for row in listing["chains"]:
         chain = store.chains.chains[row["chain_id"]]
         assert row["busy"] == chain.busy and row["tier"] == chain.tier

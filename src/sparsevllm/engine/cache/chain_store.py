@@ -83,8 +83,17 @@ class ChainStore:
         if seq.chain_id is None:
             raise RuntimeError(f"sequence {seq.seq_id} finished without a claimed chain id")
         tokens = seq.token_slice(0, seq.num_computed_tokens)
-        self.chains.park(seq.chain_id, seq.seq_id, tokens, self.pool.resident(seq.seq_id))
-        return True  # the method keeps its per-sequence state for the chain
+        if self.chains.park(seq.chain_id, seq.seq_id, tokens, *self._footprint(seq.seq_id)):
+            return True  # the method keeps its per-sequence state for the chain
+        # Another request extends a chain of this id (it named the id too, or continued
+        # the chain parked under it meanwhile): that writer keeps it, this turn's state goes.
+        self.pool.release(seq.seq_id)
+        return False
+
+    def _footprint(self, owner: int) -> tuple[int, int]:
+        """Slots `owner` holds in its fullest and in its emptiest main layer group."""
+        counts = [self.pool.num_resident(owner, g) for g in range(self.pool.num_main_groups)]
+        return max(counts), min(counts)
 
     def release(self, seq: Sequence) -> None:
         self.chains.forget(seq.chain_id, seq.seq_id)  # a continued chain's state is gone
@@ -110,7 +119,7 @@ class ChainStore:
             )
         before = chain.resident
         self.pruner.prune_views(chain.owner, spec)
-        chain.resident = self.pool.resident(chain.owner)
+        chain.resident, chain.reclaim = self._footprint(chain.owner)
         return PruneResult(
             "chain",
             chain.chain_id,
@@ -146,7 +155,7 @@ class ChainStore:
             "mode": "chain",
             "chains": self.chains.listing(),
             "prefixes": [],
-            "kv_slots_cached": self.reclaimable_slots,
+            "kv_slots_cached": self.chains.cached_slots,
         }
         if self.tiers is not None:
             out["offload"] = self.tiers.usage()
@@ -155,7 +164,7 @@ class ChainStore:
     def stats(self) -> StoreStats:
         idle = sum(not c.busy for c in self.chains.chains.values())
         usage = self.tiers.usage() if self.tiers is not None else None
-        return store_stats(self.reclaimable_slots, idle, usage)
+        return store_stats(self.chains.cached_slots, idle, usage)
 
     def attach(self) -> int:
         return self.tiering.attach(self.new_owner) if self.tiering is not None else 0

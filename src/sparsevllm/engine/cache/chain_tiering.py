@@ -77,6 +77,6 @@ class ChainTiering:
         for entry in saved:
             owner = new_owner()
             self.tiers.register(owner, entry)
-            resident = max(entry.counts[: self.pool.num_main_groups])
-            self.chains.adopt(entry.name, owner, entry.tokens, resident, DISK)
+            main = entry.counts[: self.pool.num_main_groups]
+            self.chains.adopt(entry.name, owner, entry.tokens, main, DISK)
         return len(saved)

@@ -25,7 +25,10 @@ class Chain:
     chain_id: str
     owner: int  # sequence id under which the pool and the method keep the state
     tokens: list[int]  # logical tokens the state covers
-    resident: int  # slots it holds (fullest layer group): what dropping it frees
+    resident: int  # slots it holds (fullest layer group), as listings report it
+    # Slots dropping it frees in every main layer group (its emptiest one): what the
+    # pool may count on, since it is as full as its fullest group.
+    reclaim: int
     busy: bool = False
     last_used: int = 0
     tier: str | None = None  # "CPU" or "disk": its KV lives in that tier; no slots held
@@ -99,7 +102,7 @@ class ChainCache:
         """Make an offloaded chain's KV resident again; False (still offloaded) if the
         pool has no room."""
         if chain.offloaded:
-            if not self.restore(chain):
+            if self.restore is None or not self.restore(chain):
                 return False
             chain.tier = None
         return True
@@ -114,19 +117,35 @@ class ChainCache:
         return best
 
     # -- life cycle ---------------------------------------------------------------------
-    def park(self, chain_id: str, owner: int, tokens: list[int], resident: int) -> None:
-        """A turn ended: keep its state as the idle chain `chain_id`."""
+    def park(
+        self, chain_id: str, owner: int, tokens: list[int], resident: int, reclaim: int
+    ) -> bool:
+        """A turn ended: keep its state as the idle chain `chain_id`, replacing an idle
+        chain of that id. False (nothing kept) when another running request extends a
+        chain of that id: one writer per chain, and that one came first."""
         old = self.chains.get(chain_id)
         if old is not None and old.owner != owner:
+            if old.busy:
+                return False
             self.drop(old)
         self.chains[chain_id] = Chain(
-            chain_id, owner, list(tokens), resident, False, next(self._clock)
+            chain_id, owner, list(tokens), resident, reclaim, last_used=next(self._clock)
         )
+        return True
 
-    def adopt(self, chain_id: str, owner: int, tokens: list[int], resident: int, tier: str) -> None:
-        """Register an offloaded chain saved by an earlier engine (newest last)."""
+    def adopt(
+        self, chain_id: str, owner: int, tokens: list[int], counts: list[int], tier: str
+    ) -> None:
+        """Register an offloaded chain saved by an earlier engine (newest last);
+        `counts`: its rows per main layer group."""
         self.chains[chain_id] = Chain(
-            chain_id, owner, list(tokens), resident, False, next(self._clock), tier
+            chain_id,
+            owner,
+            list(tokens),
+            max(counts),
+            min(counts),
+            last_used=next(self._clock),
+            tier=tier,
         )
 
     def by_owner(self, owner: int) -> Chain | None:
@@ -153,16 +172,22 @@ class ChainCache:
     # -- memory pressure ----------------------------------------------------------------
     @property
     def reclaimable_slots(self) -> int:
-        return sum(c.resident for c in self.chains.values() if not (c.busy or c.offloaded))
+        """Free slots every main group would gain if all idle resident chains went."""
+        return sum(c.reclaim for c in self.idle_resident())
+
+    @property
+    def cached_slots(self) -> int:
+        """Slots the idle resident chains hold (fullest layer group of each)."""
+        return sum(c.resident for c in self.idle_resident())
+
+    def idle_resident(self) -> list[Chain]:
+        return [c for c in self.chains.values() if not (c.busy or c.offloaded)]
 
     def make_room(self, n: int) -> None:
-        """Drop idle chains, least recently used first, until `n` slots were freed."""
+        """Offload or drop idle chains, least recently used first, until every main
+        layer group gained `n` free slots (or none is left)."""
         freed = 0
-        idle = sorted(
-            (c for c in self.chains.values() if not (c.busy or c.offloaded)),
-            key=lambda c: c.last_used,
-        )
-        for chain in idle:
+        for chain in sorted(self.idle_resident(), key=lambda c: c.last_used):
             if freed >= n:
                 break
             tier = self.offload(chain) if self.offload is not None else None
@@ -170,7 +195,7 @@ class ChainCache:
                 chain.tier = tier
             else:
                 self.drop(chain)
-            freed += chain.resident
+            freed += chain.reclaim
 
     def listing(self) -> list[ChainRow]:
         return [

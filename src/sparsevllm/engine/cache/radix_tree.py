@@ -63,6 +63,12 @@ class Node:
         self.key = next(_keys)  # names the node's entry in an offload tier
         self.tier: str | None = None  # "CPU" or "disk" while offloaded (no slots held)
 
+    def up(self) -> Node:
+        """The parent (every node but the root has one)."""
+        if self.parent is None:
+            raise RuntimeError("the root has no parent")
+        return self.parent
+
 
 class NodeTier(Protocol):
     """Where evicted nodes' KV goes instead of being dropped (`radix_tiering.py`)."""
@@ -136,7 +142,7 @@ class RadixTree:
         out = []
         while node is not self.root:
             out.append(node)
-            node = node.parent
+            node = node.up()
         return out[::-1]
 
     def view(self, node: Node) -> tuple[list[int], list[int]]:
@@ -156,21 +162,22 @@ class RadixTree:
             if node.ref == 0:
                 self.num_evictable_slots -= len(node.slots)
             node.ref += 1
-            node = node.parent
+            node = node.up()
 
     def unlock(self, node: Node) -> None:
         while node is not self.root:
             node.ref -= 1
             if node.ref == 0:
                 self.num_evictable_slots += len(node.slots)
-            node = node.parent
+            node = node.up()
 
     # -- insertion ----------------------------------------------------------------------
     def insert(self, tokens: list[int], slots: list[int], start: int = 0) -> list[int]:
         """Adopt `slots`, one per token of `tokens[start:]` (the tree already holds the
         first `start` tokens: the prefix the sequence borrowed); return the slots not
         adopted because the tree holds those positions already (the caller frees them)."""
-        node, pos, duplicates = self.root, 0, []
+        node, pos = self.root, 0
+        duplicates: list[int] = []
         now = next(self._clock)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -209,7 +216,7 @@ class RadixTree:
         if n < len(node.tokens):
             self._discard(node)
             return None
-        self.tier.drop(node)
+        self._tier().drop(node)
         node.slots = slots[pos - start : pos + n - start]
         node.positions, node.tier = None, None
         self._count(node, len(node.slots))
@@ -237,7 +244,7 @@ class RadixTree:
             lower_pos = _compact([p - n for p in node.positions[k:]], len(node.tokens) - n)
         upper = Node(node.tokens[:n], node.slots[:k], node.parent, upper_pos)
         upper.ref, upper.last_used = node.ref, node.last_used
-        node.parent.children[node.tokens[0]] = upper
+        node.up().children[node.tokens[0]] = upper
         node.tokens, node.slots, node.parent = node.tokens[n:], node.slots[k:], upper
         node.positions = lower_pos
         upper.children[node.tokens[0]] = node
@@ -254,6 +261,11 @@ class RadixTree:
         node.positions = _compact([p for _, p in kept], len(node.tokens))
         self._count(node, -removed)
         return removed
+
+    def _tier(self) -> NodeTier:
+        if self.tier is None:  # offloaded nodes exist only with a tier
+            raise RuntimeError("an offloaded node without an offload tier")
+        return self.tier
 
     def _count(self, node: Node, n: int) -> None:
         """`n` slots joined (or, negative, left) the tree at `node`."""
@@ -319,13 +331,13 @@ class RadixTree:
     def _remove(self, node: Node) -> list[int]:
         """Take unlocked `node` and its subtree out of the tree; returns their slots (the
         caller frees them) and drops their offloaded copies."""
-        del node.parent.children[node.tokens[0]]
+        del node.up().children[node.tokens[0]]
         freed, stack = [], [node]
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
             if n.tier is not None:
-                self.tier.drop(n)
+                self._tier().drop(n)
             else:
                 freed.extend(n.slots)
                 self._count(n, -len(n.slots))
@@ -338,10 +350,10 @@ class RadixTree:
         (a tier rebuilding the tree); None when no node ends there or the place is taken."""
         node, pos = self.root, 0
         while pos < start:
-            node = node.children.get(path[pos])
-            if node is None or node.tokens != path[pos : pos + len(node.tokens)]:
+            below = node.children.get(path[pos])
+            if below is None or below.tokens != path[pos : pos + len(below.tokens)]:
                 return None
-            pos += len(node.tokens)
+            node, pos = below, pos + len(below.tokens)
         if pos != start or start >= len(path) or path[start] in node.children:
             return None
         child = Node(path[start:], [], node, positions)
