@@ -10,8 +10,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from sparsevllm.config import EngineConfig
+from sparsevllm.engine.cache.store import PruneResult
 from sparsevllm.engine.engine import LLMEngine
-from sparsevllm.engine.prune import PruneResult
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling import SamplingParams
 

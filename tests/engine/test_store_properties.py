@@ -13,6 +13,11 @@ check after every step that:
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -317,3 +322,24 @@ SETTINGS = settings(
 def test_store_protocol_invariants(kind: str, tiers: str) -> None:
     machine = type(f"{kind}_{tiers}", (StoreMachine,), {"kind": kind, "tiers": tiers})
     run_state_machine_as_test(machine, settings=SETTINGS)
+
+
+PURE = [
+    "store",
+    "tiering",
+    "radix_tree",
+    "radix_tiering",
+    "radix_store",
+    "chains",
+    "chain_tiering",
+    "chain_store",
+]
+
+
+def test_the_stores_never_import_torch():
+    """The stores are pure Python like the scheduler: bytes move in the tier stack."""
+    imports = ", ".join(f"sparsevllm.engine.cache.{m}" for m in PURE)
+    code = f"import sys, {imports}; sys.exit('torch' in sys.modules)"
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
