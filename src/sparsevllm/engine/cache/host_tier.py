@@ -32,6 +32,11 @@ class HostTier:
     def counts(self, key: int) -> list[int]:
         return self._entries[key][0]
 
-    def oldest(self) -> int | None:
-        """The key held longest (None: empty)."""
-        return next(iter(self._entries), None)
+    def pop_oldest(self) -> tuple[int, list[int], HostRows] | None:
+        """Remove the entry held longest: its key, rows per group and rows (None: empty)."""
+        key = next(iter(self._entries), None)
+        if key is None:
+            return None
+        counts, rows = self._entries.pop(key)
+        self.used_bytes -= rows_nbytes(rows)
+        return key, counts, rows

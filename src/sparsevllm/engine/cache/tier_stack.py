@@ -143,11 +143,11 @@ class TierStack:
         """Free host bytes for `need`, oldest entries first: on to disk, else given up."""
         cpu = self.cpu
         while cpu is not None and cpu.used_bytes + need > cpu.capacity_bytes:
-            key = cpu.oldest()
-            if key is None:
+            oldest = cpu.pop_oldest()
+            if oldest is None:
                 return
-            counts, rows = cpu.take(key) or ([], [])
-            if self.disk is not None and self._write(key, counts, rows):
+            key, counts, rows = oldest
+            if self._write(key, counts, rows):
                 self.client.moved(key, DISK)
             elif key in self._held:
                 self._held.discard(key)
@@ -158,15 +158,17 @@ class TierStack:
         self.client.discard(key)
 
     def _write(self, key: int, counts: list[int], rows: HostRows) -> bool:
-        """Write entry `key` to disk (with its state); False when it does not fit, or
-        when making disk room gave up an entry it depends on (a radix node's ancestor),
-        so that it left with it."""
-        assert self.disk is not None
+        """Write entry `key` to disk (with its state); False without a disk tier, when it
+        does not fit, or when making disk room gave up an entry it depends on (a radix
+        node's ancestor), so that it left with it."""
+        disk = self.disk
+        if disk is None:
+            return False
         state = self.state.export(key) if self.state is not None else {}
-        if not self.disk.write(key, self.client.describe(key), counts, rows, state):
+        if not disk.write(key, self.client.describe(key), counts, rows, state):
             return False
         if key not in self._held:
-            self.disk.drop(key)
+            disk.drop(key)
             return False
         if self.state is not None:
             self.state.release(key)
