@@ -31,7 +31,7 @@ def squeeze(llm: LLM, n: int = 3, start: int = 0) -> None:
 def cached_rows(llm: LLM, tokens: list[int]):
     """The cached prefix of `tokens`: its slots' K/V rows in every layer and the logical
     position of each slot (read through the tree, which restores offloaded nodes)."""
-    cache, runner = llm.engine.prefix_cache, llm.engine.runner
+    cache, runner = llm.engine.store.tree, llm.engine.runner
     _, node = cache.match(tokens)
     slots, positions = cache.view(node)
     index = torch.tensor(slots)

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from sparsevllm.config import EngineConfig
+from sparsevllm.engine.cache.store import PruneResult
 from sparsevllm.engine.engine import LLMEngine
-from sparsevllm.engine.prune import PruneResult
 from sparsevllm.outputs import RequestOutput, merge_samples
 from sparsevllm.progress import GenerateProgress
 from sparsevllm.sampling import SamplingParams

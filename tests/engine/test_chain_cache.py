@@ -7,7 +7,8 @@ import torch
 
 from engine_helpers import run_request
 from sparsevllm import LLM, SamplingParams
-from sparsevllm.engine.chain_cache import ChainBusyError
+from sparsevllm.engine.cache.store import ChainBusyError
+from store_harness import Engine, World
 from tiny_gemma3 import save_tiny_gemma3
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -133,12 +134,12 @@ def test_cpu_offload_restores_identical_kv_and_output(model):
     def turn_two(llm, pressure: bool):
         engine = llm.engine
         out, _ = run_one(engine, first, chain_id="keep")
-        owner = engine.chains.chains["keep"].owner
+        owner = engine.store.chains.chains["keep"].owner
         saved = [(k[t].clone(), v[t].clone()) for k, v, t in _views(engine, owner)]
         if pressure:  # other conversations need the room
             for j in range(3):
                 run_one(engine, [2] + [(7 * i + j) % 240 + 3 for i in range(200)])
-            assert engine.chains.chains["keep"].offloaded
+            assert engine.store.chains.chains["keep"].offloaded
             assert not engine.pool.has(owner)
         follow = first + out.token_ids + [9, 8, 7]
         rid = engine.add_request(follow, GREEDY, chain_id="keep")
@@ -157,7 +158,7 @@ def test_cpu_offload_restores_identical_kv_and_output(model):
     squeezed = turn_two(llm, pressure=True)
     assert squeezed.chain_status == "continued (restored from CPU)"
     assert squeezed.token_ids == calm.token_ids
-    assert llm.engine.offload.num_offloaded >= 1 and llm.engine.offload.num_restored == 1
+    assert llm.engine.store.tiers.num_offloaded >= 1 and llm.engine.store.tiers.num_restored == 1
 
 
 def _views(engine, owner):
@@ -165,3 +166,55 @@ def _views(engine, owner):
     for layer in range(runner.num_layers):
         table = torch.tensor(pool.table(owner, pool.group_of_layer[layer]))
         yield runner.k_cache[layer], runner.v_cache[layer], table
+
+
+def test_an_aborted_request_leaves_the_chain_another_request_parked_under_its_id():
+    """Two requests name an unknown chain; the first to finish parks it. Aborting the
+    other must not take that chain (and leak its slots): it never held it."""
+    world = World("chain", "none")
+    engine = Engine(world)
+    first, second = engine.add([1, 2, 3], "x"), engine.add([1, 2, 4], "x")
+    assert first.chain_status == second.chain_status == "not_found"
+    assert engine.admit(first, 5) and engine.admit(second, 6)
+    engine.finish(first)
+    engine.abort(second)
+    chain = world.store.chains.chains["x"]
+    assert chain.owner == first.seq_id and world.pool.resident(first.seq_id) == 3
+    assert world.store.reclaimable_slots == 3
+    assert engine.add([1, 2, 3, 5, 7], "x").chain_status == "continued"
+
+
+def test_a_turn_parked_under_the_id_of_a_chain_being_extended_leaves_it_alone():
+    """One writer per chain: a request that named an unknown id finishes after another
+    request parked a chain under that id and a third continued it; the running third
+    request keeps the chain (and its KV), the late turn's state is freed."""
+    world = World("chain", "none")
+    engine = Engine(world)
+    late, early = engine.add([1, 2, 3], "x"), engine.add([3, 3], "x")
+    assert engine.admit(late, 1) and engine.admit(early, 2)
+    engine.finish(early)
+    third = engine.add([3, 3, 2, 1], None)  # extends "x": continues it
+    assert third.chain_status == "continued" and third.seq_id == early.seq_id
+    assert engine.admit(third, 1)
+    engine.finish(late)
+    assert world.store.chains.chains["x"].owner == third.seq_id
+    assert world.pool.has(third.seq_id) and not world.pool.has(late.seq_id)
+
+
+def test_idle_chains_with_uneven_groups_promise_only_the_room_they_free():
+    """A chain holding fewer slots in one layer group frees fewer there: the pool counts
+    on the emptiest group's share, so an append it allows always succeeds."""
+    world = World("chain", "none")  # 24 slots in each of two layer groups
+    engine = Engine(world)
+    idle = engine.add([1] * 8, None)
+    engine.admit(idle, 1)
+    engine.evict(idle, group=1, keep_every=2)  # keeps 4 of 8 in group 1
+    engine.finish(idle)
+    chain = world.store.chains.by_owner(idle.seq_id)
+    assert (chain.resident, chain.reclaim) == (8, 4)
+    running = engine.add([2] * 12, None)
+    engine.admit(running, 1)
+    engine.evict(running, group=0, keep_every=2)  # free: 10 in group 0, 8 in group 1
+    assert world.pool.can_append(12) and not world.pool.can_append(13)
+    world.pool.append(999, 12)  # the chain goes, group 1 has room
+    assert world.store.chains.chains == {}

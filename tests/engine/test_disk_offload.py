@@ -36,7 +36,7 @@ def squeeze(llm: LLM, n: int = 3) -> None:
 
 def views(llm: LLM, chain_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     engine = llm.engine
-    owner = engine.chains.chains[chain_id].owner
+    owner = engine.store.chains.chains[chain_id].owner
     out = []
     for layer in range(engine.runner.num_layers):
         table = torch.tensor(engine.pool.table(owner, engine.pool.group_of_layer[layer]))
@@ -57,9 +57,9 @@ def test_disk_tier_restores_identical_kv_and_output(model, tmp_path):
     first = run_one(llm, FIRST, chain_id="keep")
     saved = [(k.clone(), v.clone()) for k, v in views(llm, "keep")]
     squeeze(llm)
-    chain = llm.engine.chains.chains["keep"]
+    chain = llm.engine.store.chains.chains["keep"]
     assert chain.tier == "disk" and not llm.engine.pool.has(chain.owner)
-    assert len(list(llm.engine.tiers.disk.dir.glob("*.pt"))) >= 1
+    assert len(list(llm.engine.store.tiers.disk.dir.glob("*.pt"))) >= 1
     rid = llm.engine.add_request(FIRST + first.token_ids + NEW, GREEDY, chain_id="keep")
     for (k0, v0), (k1, v1) in zip(saved, views(llm, "keep")):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
@@ -79,8 +79,8 @@ def test_cpu_tier_first_then_disk_and_the_size_cap(model, tmp_path):
     )  # fmt: skip
     for k in range(6):
         run_one(llm, [1] + [(k * 13 + i) % 240 + 3 for i in range(200)], chain_id=f"c{k}")
-    tiers = {c["chain_id"]: c["tier"] for c in llm.engine.chains.listing()}
-    disk = llm.engine.tiers.disk
+    tiers = {c["chain_id"]: c["tier"] for c in llm.engine.store.chains.listing()}
+    disk = llm.engine.store.tiers.disk
     files = list(disk.dir.glob("*.pt"))
     assert len(files) == list(tiers.values()).count("disk") == 1
     assert sum(f.stat().st_size for f in files) == disk.used_bytes <= disk.capacity_bytes
@@ -100,11 +100,11 @@ def test_a_restarted_engine_continues_a_saved_chain(model, tmp_path, method):
     assert run_one(before, FIRST, chain_id="keep").token_ids == first.token_ids
     assert run_one(before, [3, 4, 5]).chain_id == "chain-1"
     before.close()  # idle chains go to disk
-    directory = before.engine.tiers.disk.dir
+    directory = before.engine.store.tiers.disk.dir
     del before
 
     after = LLM(model, **method, disk_offload_dir=str(tmp_path))
-    listed = after.engine.chains.listing()
+    listed = after.engine.store.chains.listing()
     assert sorted((c["chain_id"], c["tier"], c["logical_tokens"]) for c in listed) == [
         ("chain-1", "disk", 3 + 9),
         ("keep", "disk", len(FIRST) + 9),
@@ -125,19 +125,19 @@ def test_other_configurations_and_broken_files_are_not_used(model, tmp_path):
     before = LLM(model, **SNAPKV, disk_offload_dir=str(tmp_path))
     first = run_one(before, FIRST, chain_id="keep")
     before.close()
-    directory: Path = before.engine.tiers.disk.dir
+    directory: Path = before.engine.store.tiers.disk.dir
     (directory / "half-written.tmp").write_bytes(b"\0" * 100)
     (directory / "garbage.pt").write_bytes(b"not a torch file")
 
     # Another budget shapes the KV differently: its engine neither sees nor deletes it.
     other = LLM(model, **{**SNAPKV, "decode_keep_tokens": 96}, disk_offload_dir=str(tmp_path))
-    assert other.engine.chains.listing() == []
+    assert other.engine.store.chains.listing() == []
     out = run_one(other, FIRST + first.token_ids + NEW, chain_id="keep")
     assert out.chain_status == "not_found"
 
     same = LLM(model, **SNAPKV, disk_offload_dir=str(tmp_path))
     assert len(list(directory.iterdir())) == 1  # the leftovers went, the chain stayed
-    assert [c["chain_id"] for c in same.engine.chains.listing()] == ["keep"]
+    assert [c["chain_id"] for c in same.engine.store.chains.listing()] == ["keep"]
     # Pruning brings the chain back, and its ranges still mean the saved history's
     # tokens: 200-209 (the prompt's last token and the answer) are all resident.
     assert same.prune("keep", ranges=[(200, 210)], keep_ratio=0.5).slots_freed == 5
@@ -164,7 +164,7 @@ def test_restoring_from_cpu_under_pressure_keeps_the_chain_off_disk(model, tmp_p
     firsts = [
         run_one(llm, [1] + [(k * 13 + i) % 240 + 3 for i in range(200)], f"c{k}") for k in range(4)
     ]
-    tiers = {c["chain_id"]: c["tier"] for c in llm.engine.chains.listing()}
+    tiers = {c["chain_id"]: c["tier"] for c in llm.engine.store.chains.listing()}
     assert tiers == {"c0": "CPU", "c1": "CPU", "c2": None, "c3": None}
     engine = llm.engine
     engine.add_request([5] * 100, SamplingParams(max_tokens=60, ignore_eos=True), "other")
@@ -173,8 +173,8 @@ def test_restoring_from_cpu_under_pressure_keeps_the_chain_off_disk(model, tmp_p
     prompt = [1] + [(0 * 13 + i) % 240 + 3 for i in range(200)] + firsts[0].token_ids + NEW
     rid = engine.add_request(prompt, GREEDY, chain_id="c0")
     assert engine.chain_of(rid) == ("c0", "continued (restored from CPU)")
-    tiers = {c["chain_id"]: c["tier"] for c in engine.chains.listing()}
+    tiers = {c["chain_id"]: c["tier"] for c in engine.store.chains.listing()}
     assert tiers["c0"] is None and tiers["c2"] == "CPU"
-    assert "disk" not in tiers.values() and list(engine.tiers.disk.dir.glob("*.pt")) == []
+    assert "disk" not in tiers.values() and list(engine.store.tiers.disk.dir.glob("*.pt")) == []
     while engine.has_unfinished_requests():
         engine.step()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from sparsevllm import LLM, SamplingParams
-from sparsevllm.engine.prefix_cache import RadixCache
+from sparsevllm.engine.cache.radix_tree import RadixTree
 
 
 def test_match_split_insert_and_duplicates():
-    cache = RadixCache()
+    cache = RadixTree()
     assert cache.insert([1, 2, 3, 4], [10, 11, 12, 13]) == []
     slots, node = cache.match([1, 2, 9])
     assert slots == [10, 11]  # the node was split after two tokens
@@ -20,7 +20,7 @@ def test_match_split_insert_and_duplicates():
 
 
 def test_locked_nodes_are_never_evicted_and_lru_goes_first():
-    cache = RadixCache()
+    cache = RadixTree()
     cache.insert([1, 2, 3], [1, 2, 3])
     cache.insert([7, 8], [7, 8])
     cache.insert([9], [9])
@@ -35,7 +35,7 @@ def test_locked_nodes_are_never_evicted_and_lru_goes_first():
 
 
 def test_split_keeps_locks_balanced():
-    cache = RadixCache()
+    cache = RadixTree()
     cache.insert([1, 2, 3, 4], [1, 2, 3, 4])
     _, node = cache.match([1, 2, 3, 4])
     cache.lock(node)
@@ -46,7 +46,7 @@ def test_split_keeps_locks_balanced():
 
 
 def test_pruned_node_keeps_its_tokens_and_splits_by_position():
-    cache = RadixCache()
+    cache = RadixTree()
     cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15])
     _, node = cache.match([1, 2, 3, 4, 5, 6])
     assert cache.drop_slots(node, {11, 12, 14}) == 3
@@ -129,7 +129,7 @@ def test_eviction_under_pressure_never_frees_slots_in_use(model):
     assert outputs["borrower"].token_ids == ref.token_ids
     assert outputs["borrower"].num_cached_tokens == 500
     assert len(outputs["third"].token_ids) == 40
-    assert len(engine.prefix_cache.match(other)[0]) < 499  # `other` was evicted for room
+    assert len(engine.store.tree.match(other)[0]) < 499  # `other` was evicted for room
 
 
 def test_eviction_methods_refuse_prefix_caching(model):

@@ -7,8 +7,7 @@ import torch
 
 from engine_helpers import run_request
 from sparsevllm import LLM, SamplingParams
-from sparsevllm.engine.chain_cache import ChainBusyError
-from sparsevllm.engine.prune import CacheEntryNotFound
+from sparsevllm.engine.cache.store import CacheEntryNotFound, ChainBusyError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 HISTORY = [1] + [(5 * i) % 240 + 3 for i in range(199)]  # 200 tokens
@@ -83,7 +82,7 @@ def test_radix_listing_shows_logical_and_resident_tokens(model):
     first, _ = turn(llm, HISTORY)
     llm.prune(prompt=HISTORY, ranges=[(0, 100)], keep_ratio=0.5)
     logical = len(HISTORY) + len(first.token_ids) - 1
-    assert llm.engine.prefix_cache.entries() == [(logical, logical - 50)]
+    assert llm.engine.store.tree.entries() == [(logical, logical - 50)]
     # A prompt that shares only part of the pruned prefix reuses that part.
     out, prefilled = turn(llm, HISTORY[:150] + [4, 4, 4])
     assert out.num_cached_tokens == 150 and prefilled == 3
@@ -118,7 +117,7 @@ def test_logical_ranges_survive_per_head_eviction(model):
 
 def _layer0_keys(llm: LLM) -> list[list[torch.Tensor]]:
     engine = llm.engine
-    owner = engine.chains.chains["c"].owner
+    owner = engine.store.chains.chains["c"].owner
     table = engine.pool.table(owner, engine.pool.group_of_layer[0])
     keys = engine.runner.k_cache[0][torch.tensor(table)]  # [L, Hkv, D]
     return [[keys[j, h].clone() for j in range(keys.shape[0])] for h in range(keys.shape[1])]

@@ -47,8 +47,8 @@ def test_an_offloaded_prefix_comes_back_bit_exactly(model):
     assert run_one(llm, FIRST).token_ids == first.token_ids
     saved, _ = cached_rows(llm, follow)
     squeeze(llm)
-    cache, tiers = llm.engine.prefix_cache, llm.engine.tiers
-    listed = tiers.listing()
+    cache, tiers = llm.engine.store.tree, llm.engine.store.tiers
+    listed = llm.engine.store.tiering.listing()
     assert [(r["tier"], r["start"], r["logical_tokens"]) for r in listed] == [("CPU", 0, history)]
     assert listed[0]["bytes"] == history * llm.engine.runner.kv_bytes_per_slot
     assert tiers.cpu.used_bytes == listed[0]["bytes"]
@@ -76,7 +76,7 @@ def test_a_locked_prefix_is_never_offloaded(model):
     engine.step()
     seq = engine._by_request["borrower"]
     borrowed = engine.pool.table(seq.seq_id)[: len(FIRST)]
-    path = engine.prefix_cache.path(engine.scheduler._cache_nodes[seq.seq_id])
+    path = engine.store.tree.path(engine.store.borrowed_node(seq.seq_id))
     for j in range(4):  # more than the pool holds beside the borrower
         engine.add_request(other(j), GREEDY, f"other-{j}")
     while engine.has_unfinished_requests():
@@ -84,7 +84,7 @@ def test_a_locked_prefix_is_never_offloaded(model):
         if engine.pool.has(seq.seq_id):
             assert engine.pool.table(seq.seq_id)[: len(FIRST)] == borrowed
             assert all(node.tier is None for node in path)
-    assert engine.tiers.num_offloaded >= 1
+    assert engine.store.tiers.num_offloaded >= 1
     ref = run_one(LLM(model, enable_prefix_caching=False, max_model_len=1024), FIRST + [9, 9], long)
     out = run_one(llm, FIRST + [9, 9], long)  # the prefix is cached (now at full length)
     assert out.num_cached_tokens == len(FIRST) + 1 and out.token_ids == ref.token_ids
@@ -100,15 +100,17 @@ def test_the_byte_cap_holds_and_the_oldest_entries_are_dropped(model):
         rid = engine.add_request(other(j), GREEDY)
         while engine.has_unfinished_requests():
             engine.step()
-            assert engine.tiers.cpu.used_bytes <= engine.tiers.cpu.capacity_bytes
-        assert engine.stats()["kv_offload_cpu_bytes"] == engine.tiers.cpu.used_bytes
+            assert engine.store.tiers.cpu.used_bytes <= engine.store.tiers.cpu.capacity_bytes
+        assert engine.stats()["kv_offload_cpu_bytes"] == engine.store.tiers.cpu.used_bytes
     del rid
     # Three prefixes stay resident, the newest offloaded one is on the CPU (the cap holds
     # one), the older ones left the tree.
-    listed = engine.tiers.listing()
-    assert [r["tier"] for r in listed] == ["CPU"] and engine.tiers.cpu.used_bytes == node_bytes
-    assert len(engine.prefix_cache.entries()) == 4
-    assert engine.prefix_cache.match(other(0))[0] == []  # dropped: nothing cached
+    listed = engine.store.tiering.listing()
+    assert [r["tier"] for r in listed] == [
+        "CPU"
+    ] and engine.store.tiers.cpu.used_bytes == node_bytes
+    assert len(engine.store.tree.entries()) == 4
+    assert engine.store.tree.match(other(0))[0] == []  # dropped: nothing cached
     out = run_one(llm, other(3) + NEW)  # the CPU one is other(3): restored
     assert out.num_cached_tokens == 200
 
@@ -151,8 +153,8 @@ def test_a_request_that_cannot_be_admitted_does_not_restore_its_prefix(model):
     out = None
     while engine.has_unfinished_requests():
         if "long" in engine._by_request:
-            assert engine.tiers.num_restored == 0
+            assert engine.store.tiers.num_restored == 0
         out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
-    assert engine.tiers.num_restored == 1
+    assert engine.store.tiers.num_restored == 1
     assert out.num_cached_tokens == len(follow) - len(NEW) - 1
     assert out.token_ids == calm.token_ids

@@ -1,4 +1,4 @@
-"""RadixCache with an offload tier: which nodes go, how they come back, what is dropped.
+"""RadixTree with an offload tier: which nodes go, how they come back, what is dropped.
 
 Pure Python: a fake tier keeps each offloaded node's slot ids and restores it into new
 ones (the engine tests check the KV itself: test_radix_offload.py).
@@ -6,7 +6,7 @@ ones (the engine tests check the KV itself: test_radix_offload.py).
 
 from __future__ import annotations
 
-from sparsevllm.engine.prefix_cache import RadixCache
+from sparsevllm.engine.cache.radix_tree import RadixTree
 
 
 class FakeTier:
@@ -35,9 +35,9 @@ class FakeTier:
             self.dropped.append(node.key)
 
 
-def tree(tier: FakeTier) -> RadixCache:
+def tree(tier: FakeTier) -> RadixTree:
     """[1, 2] -> {[3, 4], [5]}, [7, 8]; [3, 4] least recently used, [7, 8] most."""
-    cache = RadixCache()
+    cache = RadixTree()
     cache.tier = tier
     cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
     assert cache.insert([1, 2, 5], [20, 21, 22]) == [20, 21]
@@ -45,7 +45,7 @@ def tree(tier: FakeTier) -> RadixCache:
     return cache
 
 
-def tiers(cache: RadixCache) -> dict[tuple[int, ...], str | None]:
+def tiers(cache: RadixTree) -> dict[tuple[int, ...], str | None]:
     out, stack = {}, list(cache.root.children.values())
     while stack:
         node = stack.pop()

@@ -10,17 +10,15 @@ from typing import Any
 import torch
 
 from sparsevllm.config import EngineConfig
-from sparsevllm.engine.chain_cache import ChainCache
+from sparsevllm.engine.cache.store import NO_CLAIM, PruneResult, store_stats
 from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
 from sparsevllm.engine.kv_pool import KVPool, shuffle_seed
-from sparsevllm.engine.offload_tiers import OffloadTiers, offload_stats
 from sparsevllm.engine.overlap import OverlapStepper
-from sparsevllm.engine.prefix_cache import RadixCache
-from sparsevllm.engine.prune import PruneResult, prune_cache
-from sparsevllm.engine.radix_tiers import RadixTiers
+from sparsevllm.engine.prune import prune_cache
 from sparsevllm.engine.runner import ModelRunner, resolve_device
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from sparsevllm.engine.sequence import Sequence
+from sparsevllm.engine.store_setup import build_store
 from sparsevllm.models.loader import load_model_source
 from sparsevllm.outputs import RequestOutput, request_output
 from sparsevllm.sampling import SamplingParams
@@ -54,25 +52,8 @@ class LLMEngine:
         policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
         self.prefill_policy = policy
         self._seq_ids = itertools.count()
-        self.prefix_cache = self.chains = self.offload = self.tiers = None
-        if config.enable_prefix_caching and config.prefix_cache_mode == "radix":
-            self.prefix_cache = RadixCache(free_slots=self.pool.free_slots)
-            self.pool.reclaimer = self.prefix_cache
-            # Evicted nodes move to host memory / disk instead of being dropped.
-            self.tiers = RadixTiers.build(
-                config, self.source, self.runner, self.pool, self.prefix_cache
-            )
-        elif config.enable_prefix_caching:
-            self.tiers = OffloadTiers.build(config, self.source, self.runner, self.pool)
-            self.offload = self.tiers.cpu if self.tiers else None
-            self.chains = ChainCache(
-                on_drop=self._drop_chain,
-                offload=self.tiers.offload if self.tiers else None,
-                restore=self.tiers.restore if self.tiers else None,
-            )
-            if self.tiers is not None:  # chains an earlier engine saved to disk
-                self.tiers.attach(self.chains, lambda: next(self._seq_ids))
-            self.pool.reclaimer = self.chains
+        # Cross-request KV state (the radix prefix cache or the chain cache), if any.
+        self.store = build_store(config, self.source, self.runner, self.pool, self._new_seq_id)
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,
@@ -83,8 +64,7 @@ class LLMEngine:
                 if policy == "long_bs1full_short_batch"
                 else None
             ),
-            prefix_cache=self.prefix_cache,
-            chain_cache=self.chains,
+            store=self.store,
         )
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._emitted: dict[int, int] = {}
@@ -94,6 +74,9 @@ class LLMEngine:
         overlap = self.config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
         self._overlap = OverlapStepper(self) if self.async_scheduling else None
+
+    def _new_seq_id(self) -> int:
+        return next(self._seq_ids)
 
     def _resolve_max_model_len(self) -> int:
         limit = getattr(self.source.hf_config, "max_position_embeddings", None)
@@ -173,16 +156,15 @@ class LLMEngine:
         self.validate(ids, params)
         if request_id is not None and request_id in self._by_request:
             raise ValueError(f"request id {request_id!r} is already in use")
-        chain, status = self.chains.acquire(ids, chain_id) if self.chains else (None, None)
-        seq_id = chain.owner if chain else next(self._seq_ids)
+        # The store finds a named conversation now, so that a busy one is refused here.
+        claim = self.store.claim(ids, chain_id) if self.store is not None else NO_CLAIM
+        seq_id = claim.owner if claim.owner is not None else next(self._seq_ids)
         request_id = request_id or f"req-{seq_id}-{next(self._seq_ids)}"
         seq = Sequence(seq_id, request_id, ids, params, frozenset(self.eos_token_ids), text)
-        if self.chains is not None:
-            seq.chain_id = chain.chain_id if chain else (chain_id or self.chains.new_id())
-            seq.chain_status = status
-        if chain is not None:
-            seq.num_computed_tokens = seq.num_cached_tokens = len(chain.tokens)
-            self.scheduler.stats.num_cached_prompt_tokens += len(chain.tokens)
+        seq.chain_id, seq.chain_status = claim.chain_id, claim.status
+        if claim.cached_tokens:
+            seq.num_computed_tokens = seq.num_cached_tokens = claim.cached_tokens
+            self.scheduler.stats.num_cached_prompt_tokens += claim.cached_tokens
         self.runner.add_generator(seq_id, params.seed)
         if self.tokenizer is not None:
             self._detok[seq_id] = IncrementalDetokenizer(
@@ -350,13 +332,6 @@ class LLMEngine:
         else:
             self.runner.release(seq.seq_id)
 
-    def _drop_chain(self, owner: int) -> None:
-        """An idle chain is reclaimed or dropped: free its slots and method state."""
-        self.pool.release(owner)
-        if self.tiers is not None:
-            self.tiers.drop(owner)
-        self.runner.release(owner)
-
     # -- cached history -----------------------------------------------------------------
     def prune(
         self,
@@ -370,7 +345,7 @@ class LLMEngine:
         """Compress logical token ranges of an idle chain or of the cached prefix of
         `prompt` (see engine/prune.py); the history stays matchable by the next turn."""
         tokens = None if prompt is None else self.encode(prompt)[1]
-        return prune_cache(self, chain_id, tokens, ranges, method, keep_ratio)
+        return prune_cache(self.store, chain_id, tokens, ranges, method, keep_ratio)
 
     def drain(self) -> None:
         """Wait for a step launched ahead (async_scheduling) whose rows all ended."""
@@ -381,9 +356,7 @@ class LLMEngine:
         """Write idle chains, or the radix cache's unlocked nodes, to the disk tier (if
         there is one), so that an engine started later reuses them; returns how many
         entries were written."""
-        if self.tiers is None:
-            return 0
-        return self.tiers.persist(self.chains) if self.chains is not None else self.tiers.persist()
+        return self.store.persist() if self.store is not None else 0
 
     # -- statistics ---------------------------------------------------------------------
     def reset_counters(self) -> None:
@@ -394,7 +367,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         st = self.scheduler.stats
-        chains = self.chains.reclaimable_slots if self.chains else 0
+        cached = self.store.stats() if self.store is not None else store_stats(0)
         return {
             "kv_slots_total": self.pool.num_slots,
             "kv_slots_used": self.pool.num_used,
@@ -406,11 +379,7 @@ class LLMEngine:
             "num_decode_tokens_computed": st.num_decode_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,
             "num_cached_prompt_tokens": st.num_cached_prompt_tokens,
-            "kv_slots_cached": self.prefix_cache.num_cached_slots if self.prefix_cache else chains,
-            "num_idle_chains": (
-                sum(not c.busy for c in self.chains.chains.values()) if self.chains else 0
-            ),
-            **offload_stats(self.tiers),
+            **cached,
             "max_concurrent_seqs": st.max_concurrent_seqs,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

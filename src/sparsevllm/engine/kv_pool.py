@@ -24,6 +24,18 @@ import itertools
 import operator
 import random
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class Reclaimer(Protocol):
+    """Cached state holding pool slots that the pool may take back (the prefix store)."""
+
+    @property
+    def reclaimable_slots(self) -> int:
+        """Slots `make_room` could free now."""
+
+    def make_room(self, n: int) -> None:
+        """Free at least `n` slots (if possible) through the pool."""
 
 
 class PoolExhausted(RuntimeError):
@@ -128,7 +140,7 @@ class KVPool:
         # gives it back under pressure (`reclaimable_slots`, `make_room(n)` freeing
         # through this pool).
         self._borrowed: dict[int, int] = {}
-        self.reclaimer = None
+        self.reclaimer: Reclaimer | None = None
 
     # -- counters ---------------------------------------------------------------------
     @property

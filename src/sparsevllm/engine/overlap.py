@@ -16,7 +16,7 @@ then starts a step later), none of them can finish by length at step N, their sl
 without reclaiming or preempting, their sampling needs no token history (no penalties,
 no logprobs, min_tokens already met) and the sparse method never changes a view after a
 decode step (methods that evict while decoding opt out, and so do sliding-window layers
-when the chain cache parks their window).
+when the prefix store parks their window: the chain cache).
 A sequence that finishes at step N (a stop token, an abort) has its step-N+1 slot freed
 before it is cached or released, and its step-N+1 token is dropped. Otherwise step N+1
 is computed exactly as without overlap: the outputs are the same tokens.
@@ -122,8 +122,8 @@ class OverlapStepper:
 
         if e.runner.method.evicts_during_decode:
             return None
-        if e.pool.windows and sch.chain_cache is not None:
-            return None  # a parked chain's window would lack the entry step N+1 trimmed
+        if e.pool.windows and sch.store is not None and sch.store.parks_views:
+            return None  # a parked view's window would lack the entry step N+1 trimmed
         seqs = [s.seq for s in rows]
         if len(seqs) != len(e.scheduler.running) or len({s.seq_id for s in seqs}) != len(seqs):
             return None

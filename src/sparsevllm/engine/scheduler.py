@@ -11,9 +11,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sparsevllm.engine.chain_cache import ChainCache
+from sparsevllm.engine.cache.store import PrefixStore
 from sparsevllm.engine.kv_pool import KVPool
-from sparsevllm.engine.prefix_cache import RadixCache
 from sparsevllm.engine.sequence import SeqStatus, Sequence
 
 
@@ -61,7 +60,8 @@ class Scheduler:
 
     `slots_for_step(seq, n)` says how many new slots per layer a sequence needs to
     compute `n` more tokens (a sparse method may evict afterwards; the allocation
-    happens first).
+    happens first). `store` keeps KV across requests: a request borrows from it when it
+    is admitted, and a finished one hands its KV to it.
     """
 
     def __init__(
@@ -72,8 +72,7 @@ class Scheduler:
         chunk_prefill_size: int,
         slots_for_step: Callable[[Sequence, int], int] | None = None,
         solo_prefill_threshold: int | None = None,
-        prefix_cache: RadixCache | None = None,
-        chain_cache: ChainCache | None = None,
+        store: PrefixStore | None = None,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -83,9 +82,7 @@ class Scheduler:
         # Prefill policy long_bs1full_short_batch: a request with more residual tokens
         # than this prefills alone, in one full step (None: every prefill is chunked).
         self.solo_prefill_threshold = solo_prefill_threshold
-        self.prefix_cache = prefix_cache
-        self.chain_cache = chain_cache
-        self._cache_nodes: dict[int, object] = {}  # seq_id -> deepest locked cache node
+        self.store = store
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -113,55 +110,30 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         done = reason in ("stop", "length") and self.pool.has(seq.seq_id)
-        if self.prefix_cache is not None and done:
-            self._cache_finished(seq)
-        elif self.chain_cache is not None and done:
-            resident = self.pool.resident(seq.seq_id)
-            tokens = seq.token_slice(0, seq.num_computed_tokens)
-            self.chain_cache.park(seq.chain_id, seq.seq_id, tokens, resident)
-            seq.parked = True
+        if self.store is not None and done:
+            seq.parked = self.store.finish(seq)
         else:
             self._release(seq)
 
-    # -- prefix cache -------------------------------------------------------------------
+    # -- cross-request state ------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
+        """Free `seq`'s slots; what it borrowed from the store stays with the store."""
         self.pool.release(seq.seq_id)
-        if self.chain_cache is not None:
-            self.chain_cache.forget(seq.chain_id)  # a continued chain's state is gone
-        node = self._cache_nodes.pop(seq.seq_id, None)
-        if node is not None:
-            self.prefix_cache.unlock(node)
-
-    def _cache_finished(self, seq: Sequence) -> None:
-        """Hand the finished sequence's computed KV to the cache instead of freeing it."""
-        if not self.pool.has(seq.seq_id):
-            return self._release(seq)
-        slots = self.pool.detach(seq.seq_id)
-        node = self._cache_nodes.pop(seq.seq_id, None)
-        tokens = seq.token_slice(0, seq.num_computed_tokens)
-        self.pool.free_slots(self.prefix_cache.adopt(tokens, slots, node))
-        if node is not None:
-            self.prefix_cache.unlock(node)
+        if self.store is not None:
+            self.store.release(seq)
 
     def _borrow_prefix(self, seq: Sequence) -> int:
-        """Start a fresh sequence from its longest cached prefix; returns its length."""
-        if self.prefix_cache is None or self.pool.has(seq.seq_id):
-            return 0
-        # At least one token must be computed: its logits give the next token. Offloaded
-        # nodes come back only if admission can still keep a slot for this request and
-        # one per running sequence: a restore the admission check then undoes would be
-        # evicted again by the running batch, and redone at the next step.
+        """Start a fresh sequence from the store's longest cached prefix of its tokens;
+        returns the number of tokens borrowed."""
+        if self.store is None or self.pool.has(seq.seq_id):
+            return 0  # a sequence holding KV already (a continued chain) starts from it
+        # Offloaded KV comes back only if admission can still keep a slot for this
+        # request and one per running sequence: a restore the admission check then undoes
+        # would be evicted again by the running batch, and redone at the next step.
         reserve = 1 + len(self.running)
-        slots, node = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), reserve)
-        # A pruned prefix holds fewer slots than tokens: count its tokens (positions
-        # stay logical), read its slots.
-        cached = self.prefix_cache.depth(node)
-        if not cached:
-            return 0
-        self.prefix_cache.lock(node)
-        self._cache_nodes[seq.seq_id] = node
-        self.pool.attach(seq.seq_id, slots)
-        seq.num_computed_tokens = cached
+        cached = self.store.match_and_lock(seq, reserve)
+        if cached:
+            seq.num_computed_tokens = cached
         return cached
 
     # -- the step ---------------------------------------------------------------------

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sparsevllm.engine.chain_cache import ChainBusyError
+from sparsevllm.engine.cache.store import ChainBusyError
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.server.cache import persist_chains
 from sparsevllm.server.metrics import ServerMetrics
@@ -369,11 +369,8 @@ class AsyncEngine:
     def _safe_stats(self) -> dict[str, Any]:
         try:
             stats = self._engine.stats()
-            chains = getattr(self._engine, "chains", None)
-            if chains is not None:  # the engine's num_idle_chains counts busy ones too
-                stats["idle_chains"] = sum(1 for c in chains.listing() if not c["busy"])
-            elif "num_idle_chains" in stats:
-                stats["idle_chains"] = 0
+            if "num_idle_chains" in stats:  # chains no running request extends
+                stats["idle_chains"] = stats["num_idle_chains"]
             return stats
         except Exception:
             logger.exception("engine.stats() failed")

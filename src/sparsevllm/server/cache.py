@@ -12,8 +12,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, model_validator
 
-from sparsevllm.engine.chain_cache import ChainBusyError
-from sparsevllm.engine.prune import CacheEntryNotFound
+from sparsevllm.engine.cache.store import (
+    CacheEntryNotFound,
+    CacheListing,
+    ChainBusyError,
+    empty_listing,
+)
 from sparsevllm.server.errors import APIError, bad_request, from_value_error
 from sparsevllm.server.protocol import StrictModel, check_chain_id
 from sparsevllm.server.requests import EngineClosed
@@ -24,39 +28,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def cache_listing(engine: Any) -> dict[str, Any]:
+def cache_listing(engine: Any) -> CacheListing:
     """`{"mode", "chains", "prefixes", "kv_slots_cached"}`, plus `"offloaded"` (radix
     nodes in a tier) and `"offload"` (bytes, counters) with offload tiers; runs on the
     worker."""
-    prefix_cache = getattr(engine, "prefix_cache", None)
-    chains = getattr(engine, "chains", None)
-    listing: dict[str, Any] = {"mode": "off", "chains": [], "prefixes": [], "kv_slots_cached": 0}
-    if prefix_cache is not None:
-        entries = sorted(prefix_cache.entries(), reverse=True)
-        listing["mode"] = "radix"
-        listing["prefixes"] = [
-            # "tokens" is the name of the logical length before pruning existed.
-            {"tokens": t, "logical_tokens": t, "resident_slots": r}
-            for t, r in entries
-        ]
-        listing["kv_slots_cached"] = int(prefix_cache.num_cached_slots)
-    elif chains is not None:
-        listing["mode"] = "chain"
-        listing["chains"] = [dict(c) for c in chains.listing()]
-        listing["kv_slots_cached"] = int(chains.reclaimable_slots)
-    tiers = getattr(engine, "tiers", None)
-    if tiers is not None:
-        listing["offload"] = {
-            "cpu_bytes": tiers.cpu.used_bytes if tiers.cpu else 0,
-            "cpu_capacity_bytes": tiers.cpu.capacity_bytes if tiers.cpu else 0,
-            "disk_bytes": tiers.disk.used_bytes if tiers.disk else 0,
-            "disk_capacity_bytes": tiers.disk.capacity_bytes if tiers.disk else 0,
-            "num_offloaded": int(tiers.num_offloaded),
-            "num_restored": int(tiers.num_restored),
-        }
-        if prefix_cache is not None:
-            listing["offloaded"] = tiers.listing()
-    return listing
+    store = getattr(engine, "store", None)  # test fakes may lack it
+    return store.listing() if store is not None else empty_listing()
 
 
 def persist_chains(engine: Any) -> None:

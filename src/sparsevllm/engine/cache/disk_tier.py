@@ -1,17 +1,23 @@
-"""Disk tier for idle chains and radix nodes: one file per entry, LRU-capped by size,
+"""The disk tier: one file per entry (idle chain or radix node), LRU-capped by size,
 kept across restarts.
 
 Files live in `disk_offload_dir/<fingerprint digest>/`. The fingerprint names what
-shapes the KV bytes (model identity, dtype, layers, KV heads, head dim, layer groups,
-sparse method and its knobs); an engine only ever reads its own directory and checks
-every file's recorded fingerprint again on start, so KV written by another model or
-configuration is never used. A file is written to `*.tmp`, synced and renamed, so a
-crash leaves either the whole entry or a `*.tmp` leftover (removed on start).
+shapes the KV bytes (format version, model identity, dtype, layers, KV heads, head dim,
+layer groups, sparse method and its knobs, and which store wrote them); an engine only
+ever reads its own directory and checks every file's recorded fingerprint again on
+start, so KV written by another model, configuration or format is never used. A file is
+written to `*.tmp`, synced and renamed, so a crash leaves either the whole entry or a
+`*.tmp` leftover (removed on start).
+
+A file holds the entry's logical tokens, its K/V rows per layer (view order), the
+per-entry device state the stack adds (a chain's view positions and method state) and
+JSON metadata: the fingerprint, the entry's name, rows per pool group, when it was
+written and the store's own fields.
 
 The cap (`disk_offload_gb`) bounds the committed entries: to add one, the least
-recently written entries are evicted (their chains are dropped through `on_evict`).
-Restoring an entry deletes its file (the chain is resident again). One engine per
-directory: two engines sharing one would evict each other's files.
+recently written entries are evicted (their stores forget them through `on_evict`).
+Restoring an entry deletes its file (it is resident again). One engine per directory:
+two engines sharing one would evict each other's files.
 """
 
 from __future__ import annotations
@@ -22,18 +28,29 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
+from sparsevllm.engine.cache.kv_rows import HostRows, StatePayload
+from sparsevllm.engine.cache.tiering import DiskRecord, SavedEntry
+
+if TYPE_CHECKING:
+    from sparsevllm.config import EngineConfig
+    from sparsevllm.engine.runner import ModelRunner
+    from sparsevllm.models.loader import ModelSource
+
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: one layout for both stores (rows, "state", the entry's "name" in the metadata).
+FORMAT_VERSION = 2
 
 
-def kv_fingerprint(config: Any, source: Any, runner: Any, layer_groups: list[list[int]]) -> dict:
+def kv_fingerprint(
+    config: EngineConfig, source: ModelSource, runner: ModelRunner, layer_groups: list[list[int]]
+) -> dict[str, object]:
     """What must match for saved KV to be reused bit-for-bit by this engine."""
     method = runner.method
     return {
@@ -52,7 +69,7 @@ def kv_fingerprint(config: Any, source: Any, runner: Any, layer_groups: list[lis
     }
 
 
-def _model_identity(path: str) -> dict[str, Any]:
+def _model_identity(path: str) -> dict[str, object]:
     """The model path plus size and modification time of its weight and config files."""
     p = Path(path).resolve()
     files = [p] if p.is_file() else sorted(p.iterdir()) if p.is_dir() else []
@@ -64,22 +81,9 @@ def _model_identity(path: str) -> dict[str, Any]:
     return {"path": str(p), "files": stamps}
 
 
-def _digest(fingerprint: dict) -> str:
+def _digest(fingerprint: dict[str, object]) -> str:
     text = json.dumps(fingerprint, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@dataclass
-class SavedChain:
-    """An entry found on disk at start: enough to register its chain."""
-
-    path: Path
-    nbytes: int
-    chain_id: str
-    tokens: list[int]
-    counts: list[int]
-    saved_at: float
-    meta: dict[str, Any] = field(default_factory=dict)  # the whole recorded metadata
 
 
 @dataclass
@@ -89,13 +93,15 @@ class _Entry:
     counts: list[int]
 
 
-class DiskStore:
-    def __init__(self, root: str, capacity_bytes: int, fingerprint: dict) -> None:
+class DiskTier:
+    """Committed entries by key, least recently written first, within a byte cap."""
+
+    def __init__(self, root: str, capacity_bytes: int, fingerprint: dict[str, object]) -> None:
         self.fingerprint = json.loads(json.dumps(fingerprint))  # as read back from a file
         self.dir = Path(root) / _digest(fingerprint)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
-        self._entries: dict[int, _Entry] = {}  # owner -> entry, least recently written first
+        self._entries: dict[int, _Entry] = {}  # key -> entry, least recently written first
         self.on_evict: Callable[[int], None] | None = None
         self.num_written = 0
         self.num_read = 0
@@ -104,14 +110,14 @@ class DiskStore:
     def used_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
-    def has(self, owner: int) -> bool:
-        return owner in self._entries
+    def has(self, key: int) -> bool:
+        return key in self._entries
 
-    def counts(self, owner: int) -> list[int]:
-        return self._entries[owner].counts
+    def counts(self, key: int) -> list[int]:
+        return self._entries[key].counts
 
     # -- start: what an earlier engine left -----------------------------------------------
-    def scan(self) -> list[SavedChain]:
+    def scan(self) -> list[SavedEntry]:
         """Valid entries in this directory, oldest first; leftovers and bad files go."""
         for tmp in self.dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
@@ -127,67 +133,69 @@ class DiskStore:
             found.pop(0).path.unlink(missing_ok=True)  # the cap may have shrunk
         return found
 
-    def _read_meta(self, path: Path) -> SavedChain:
+    def _read_meta(self, path: Path) -> SavedEntry:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         meta = json.loads(data["meta"])
         if meta.get("fingerprint") != self.fingerprint:
             raise ValueError("written for another model or configuration")
+        own = {k: v for k, v in meta.items() if k not in _RESERVED}
         tokens = data["tokens"].tolist()
-        return SavedChain(
-            path,
-            path.stat().st_size,
-            meta["chain_id"],
-            tokens,
-            meta["counts"],
-            meta["saved_at"],
-            meta,
-        )
+        size = path.stat().st_size
+        return SavedEntry(path, size, meta["name"], tokens, meta["counts"], meta["saved_at"], own)
 
-    def register(self, owner: int, saved: SavedChain) -> None:
-        self._entries[owner] = _Entry(saved.path, saved.nbytes, list(saved.counts))
+    def register(self, key: int, saved: SavedEntry) -> None:
+        self._entries[key] = _Entry(saved.path, saved.nbytes, list(saved.counts))
 
     # -- write / read -------------------------------------------------------------------
     def write(
         self,
-        owner: int,
-        chain_id: str,
+        key: int,
+        record: DiskRecord,
         counts: list[int],
-        payload: dict,
-        extra: dict[str, Any] | None = None,
+        rows: HostRows,
+        state: StatePayload,
     ) -> bool:
-        """Save one entry (`extra`: more metadata, JSON); False if it cannot fit under
-        the cap even alone."""
-        name = hashlib.sha256(chain_id.encode()).hexdigest()[:32]
-        path, tmp = self.dir / f"{name}.pt", self.dir / f"{name}.tmp"
+        """Save entry `key`; False if it cannot fit under the cap even alone."""
+        stem = hashlib.sha256(record.name.encode()).hexdigest()[:32]
+        path, tmp = self.dir / f"{stem}.pt", self.dir / f"{stem}.tmp"
         meta = {
-            **(extra or {}),
+            **record.meta,
             "fingerprint": self.fingerprint,
-            "chain_id": chain_id,
+            "name": record.name,
             "counts": counts,
             "saved_at": time.time(),
         }
+        payload = {
+            "tokens": torch.tensor(record.tokens, dtype=torch.long),
+            "k": [k for k, _ in rows],  # per layer [n, Hkv, D], view order
+            "v": [v for _, v in rows],
+            "state": state,
+            "meta": json.dumps(meta),
+        }
         with open(tmp, "wb") as f:
-            torch.save({**payload, "meta": json.dumps(meta)}, f)
+            torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         nbytes = tmp.stat().st_size
         if nbytes > self.capacity_bytes:
             tmp.unlink()
             return False
-        self.drop(owner)
+        self.drop(key)
         self._make_room(nbytes)
         os.replace(tmp, path)
-        self._entries[owner] = _Entry(path, nbytes, list(counts))
+        self._entries[key] = _Entry(path, nbytes, list(counts))
         self.num_written += 1
         return True
 
-    def read(self, owner: int) -> dict:
-        """The payload of `owner`'s entry (tensors on the host); the entry stays."""
+    def read(self, key: int) -> tuple[HostRows, StatePayload]:
+        """Entry `key`'s rows and state (tensors on the host); the entry stays."""
         self.num_read += 1
-        return torch.load(self._entries[owner].path, map_location="cpu", weights_only=True)
+        data = torch.load(self._entries[key].path, map_location="cpu", weights_only=True)
+        rows = list(zip(data["k"], data["v"]))
+        return rows, cast(StatePayload, data["state"])
 
-    def drop(self, owner: int) -> None:
-        entry = self._entries.pop(owner, None)
+    def drop(self, key: int) -> None:
+        entry = self._entries.pop(key, None)
         if entry is not None:
             entry.path.unlink(missing_ok=True)
 
@@ -197,3 +205,6 @@ class DiskStore:
             self.drop(oldest)
             if self.on_evict is not None:
                 self.on_evict(oldest)
+
+
+_RESERVED = ("fingerprint", "name", "counts", "saved_at")  # the tier's own metadata

@@ -1,23 +1,23 @@
-"""Radix prefix cache: token-id prefixes -> KV slot runs, shared by reference counts.
+"""Radix tree of cached prefixes: token-id prefixes -> KV slot runs, shared by locks.
 
-Pure Python, like the scheduler. Used by methods whose storage stays a plain prefix
-(dense and logical methods, one pool group). A finished request hands its computed
-tokens' slots to the tree instead of freeing them; a new request whose prompt starts
-with a cached prefix borrows those slots and prefills only the rest. Nodes used by a
-running request are locked; unlocked nodes are evicted least-recently-used, leaves
-first, whenever the pool needs slots.
+Pure Python, like the scheduler. The radix store (`radix_store.py`) keeps it for methods
+whose storage stays a plain prefix (dense and logical methods, one pool group). A
+finished request hands its computed tokens' slots to the tree instead of freeing them; a
+new request whose prompt starts with a cached prefix borrows those slots and prefills
+only the rest. Nodes used by a running request are locked; unlocked nodes are evicted
+least-recently-used, leaves first, whenever the pool needs slots.
 
-A node may be *pruned* (`engine/prune.py`): it then holds fewer slots than tokens, and
-`positions` gives the offset within the node of the token each slot holds. Matching
-stays by tokens, so a request borrowing a pruned prefix still skips all of its tokens
-(its positions stay logical) while reading a shorter view.
+A node may be *pruned*: it then holds fewer slots than tokens, and `positions` gives the
+offset within the node of the token each slot holds. Matching stays by tokens, so a
+request borrowing a pruned prefix still skips all of its tokens (its positions stay
+logical) while reading a shorter view.
 
-With an offload tier (`engine/radix_tiers.py`, set as `tier`), an evicted node is not
-dropped: its KV moves to host memory or disk and the node stays in the tree, *offloaded*
-(`tier` names where; it holds no slots). Nodes are offloaded leaves first, so every
-descendant of an offloaded node is offloaded too: the resident nodes form the top of
-the tree. A match that reaches an offloaded node restores it before the request reads it,
-or stops there when the pool has no room.
+With an offload tier (`NodeTier`, set as `tier`: the radix store over the tier stack),
+an evicted node is not dropped: its KV moves to host memory or disk and the node stays
+in the tree, *offloaded* (`tier` names where; it holds no slots). Nodes are offloaded
+leaves first, so every descendant of an offloaded node is offloaded too: the resident
+nodes form the top of the tree. A match that reaches an offloaded node restores it
+before the request reads it, or stops there when the pool has no room.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from typing import Protocol
 _keys = itertools.count(1)
 
 
-class RadixNode:
+class Node:
+    """A run of tokens below its parent's, with the slots holding their KV."""
+
     __slots__ = (
         "tokens",
         "slots",
@@ -47,41 +49,47 @@ class RadixNode:
         self,
         tokens: list[int],
         slots: list[int],
-        parent: RadixNode | None,
+        parent: Node | None,
         positions: list[int] | None = None,
     ) -> None:
         self.tokens = tokens
         self.slots = slots
         # None: one slot per token. Pruned: the offset in `tokens` of each slot's token.
         self.positions = positions
-        self.children: dict[int, RadixNode] = {}
+        self.children: dict[int, Node] = {}
         self.parent = parent
         self.ref = 0
         self.last_used = 0
         self.key = next(_keys)  # names the node's entry in an offload tier
         self.tier: str | None = None  # "CPU" or "disk" while offloaded (no slots held)
 
+    def up(self) -> Node:
+        """The parent (every node but the root has one)."""
+        if self.parent is None:
+            raise RuntimeError("the root has no parent")
+        return self.parent
+
 
 class NodeTier(Protocol):
-    """Where evicted nodes' KV goes instead of being dropped (`engine/radix_tiers.py`)."""
+    """Where evicted nodes' KV goes instead of being dropped (`radix_tiering.py`)."""
 
-    def offload(self, node: RadixNode) -> str | None:
+    def offload(self, node: Node) -> str | None:
         """Copy the node's rows off the pool; the tier's name, or None (no room)."""
 
-    def restore(self, node: RadixNode, reserve: int) -> list[int] | None:
+    def restore(self, node: Node, reserve: int) -> list[int] | None:
         """New slots holding the node's rows again (None: the pool has no room for them
         plus `reserve` more)."""
 
-    def drop(self, node: RadixNode) -> None:
+    def drop(self, node: Node) -> None:
         """Forget the node's offloaded copy (it leaves the tree)."""
 
 
-class RadixCache:
+class RadixTree:
     """`free_slots` is called with the slots of evicted nodes (the pool's free list)."""
 
     def __init__(self, free_slots: Callable[[list[int]], None] | None = None) -> None:
         self.free_slots = free_slots
-        self.root = RadixNode([], [], None)
+        self.root = Node([], [], None)
         self.root.ref = 1  # never evicted
         self._clock = itertools.count(1)
         self.num_cached_slots = 0
@@ -89,7 +97,7 @@ class RadixCache:
         self.tier: NodeTier | None = None
 
     # -- lookup -------------------------------------------------------------------------
-    def match(self, tokens: list[int], reserve: int = 0) -> tuple[list[int], RadixNode]:
+    def match(self, tokens: list[int], reserve: int = 0) -> tuple[list[int], Node]:
         """Longest cached prefix of `tokens`: its slots and the deepest node reached.
 
         A partial match inside a node splits it, so the prefix ends on a node boundary.
@@ -109,7 +117,7 @@ class RadixCache:
             node, pos = child, pos + n
         return slots, node
 
-    def _bring_back(self, parent: RadixNode, node: RadixNode, reserve: int) -> bool:
+    def _bring_back(self, parent: Node, node: Node, reserve: int) -> bool:
         """Restore the offloaded `node` below `parent`. The path above stays locked
         meanwhile: making room for the rows must not evict what the match holds."""
         if self.tier is None:
@@ -125,19 +133,19 @@ class RadixCache:
         self._count(node, len(slots))
         return True
 
-    def depth(self, node: RadixNode) -> int:
+    def depth(self, node: Node) -> int:
         """Logical tokens from the root to the end of `node`."""
         return sum(len(n.tokens) for n in self.path(node))
 
-    def path(self, node: RadixNode) -> list[RadixNode]:
+    def path(self, node: Node) -> list[Node]:
         """The nodes from the root (excluded) down to `node`."""
         out = []
         while node is not self.root:
             out.append(node)
-            node = node.parent
+            node = node.up()
         return out[::-1]
 
-    def view(self, node: RadixNode) -> tuple[list[int], list[int]]:
+    def view(self, node: Node) -> tuple[list[int], list[int]]:
         """Slots of the path to `node` and the logical position of each slot's token."""
         slots: list[int] = []
         positions: list[int] = []
@@ -148,27 +156,28 @@ class RadixCache:
             start += len(n.tokens)
         return slots, positions
 
-    def lock(self, node: RadixNode) -> None:
+    def lock(self, node: Node) -> None:
         """Pin `node` and its ancestors (a running request reads their slots)."""
         while node is not self.root:
             if node.ref == 0:
                 self.num_evictable_slots -= len(node.slots)
             node.ref += 1
-            node = node.parent
+            node = node.up()
 
-    def unlock(self, node: RadixNode) -> None:
+    def unlock(self, node: Node) -> None:
         while node is not self.root:
             node.ref -= 1
             if node.ref == 0:
                 self.num_evictable_slots += len(node.slots)
-            node = node.parent
+            node = node.up()
 
     # -- insertion ----------------------------------------------------------------------
     def insert(self, tokens: list[int], slots: list[int], start: int = 0) -> list[int]:
         """Adopt `slots`, one per token of `tokens[start:]` (the tree already holds the
         first `start` tokens: the prefix the sequence borrowed); return the slots not
         adopted because the tree holds those positions already (the caller frees them)."""
-        node, pos, duplicates = self.root, 0, []
+        node, pos = self.root, 0
+        duplicates: list[int] = []
         now = next(self._clock)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -177,7 +186,7 @@ class RadixCache:
             if child is None:
                 if pos < start:
                     raise RuntimeError("a borrowed prefix left the cache while in use")
-                leaf = RadixNode(tokens[pos:], slots[pos - start :], node)
+                leaf = Node(tokens[pos:], slots[pos - start :], node)
                 leaf.last_used = now
                 node.children[tokens[pos]] = leaf
                 self._count(leaf, len(leaf.slots))
@@ -194,8 +203,8 @@ class RadixCache:
         return duplicates
 
     def _supersede(
-        self, node: RadixNode, tokens: list[int], slots: list[int], pos: int, start: int
-    ) -> RadixNode | None:
+        self, node: Node, tokens: list[int], slots: list[int], pos: int, start: int
+    ) -> Node | None:
         """A finished request computed the tokens of the offloaded `node` itself (it was
         offloaded, or could not be restored, while the request ran). Covering the whole
         node, the request's copy replaces the offloaded one and its descendants stay;
@@ -207,13 +216,13 @@ class RadixCache:
         if n < len(node.tokens):
             self._discard(node)
             return None
-        self.tier.drop(node)
+        self._tier().drop(node)
         node.slots = slots[pos - start : pos + n - start]
         node.positions, node.tier = None, None
         self._count(node, len(node.slots))
         return node
 
-    def adopt(self, tokens: list[int], view: list[int], borrowed: RadixNode | None) -> list[int]:
+    def adopt(self, tokens: list[int], view: list[int], borrowed: Node | None) -> list[int]:
         """Take a finished sequence's KV. `view` holds the slots it borrowed through
         `borrowed` (None: nothing), then one slot per later token of `tokens` (and maybe
         unused ones). Returns the slots the caller frees."""
@@ -223,7 +232,7 @@ class RadixCache:
         used = len(tokens) - start
         return self.insert(tokens, own[:used], start) + own[used:]
 
-    def _split(self, node: RadixNode, n: int) -> RadixNode:
+    def _split(self, node: Node, n: int) -> Node:
         """Cut `node` after n tokens; return the new upper half (same ref count)."""
         if node.tier is not None:
             raise RuntimeError("an offloaded node is restored before it is split")
@@ -233,15 +242,15 @@ class RadixCache:
             k = bisect.bisect_left(node.positions, n)
             upper_pos = _compact(node.positions[:k], n)
             lower_pos = _compact([p - n for p in node.positions[k:]], len(node.tokens) - n)
-        upper = RadixNode(node.tokens[:n], node.slots[:k], node.parent, upper_pos)
+        upper = Node(node.tokens[:n], node.slots[:k], node.parent, upper_pos)
         upper.ref, upper.last_used = node.ref, node.last_used
-        node.parent.children[node.tokens[0]] = upper
+        node.up().children[node.tokens[0]] = upper
         node.tokens, node.slots, node.parent = node.tokens[n:], node.slots[k:], upper
         node.positions = lower_pos
         upper.children[node.tokens[0]] = node
         return upper
 
-    def drop_slots(self, node: RadixNode, dropped: set[int]) -> int:
+    def drop_slots(self, node: Node, dropped: set[int]) -> int:
         """Pruning: remove the `dropped` slots from an unlocked node (the caller frees
         them); its tokens stay matchable. Returns how many were removed."""
         if node.ref:
@@ -253,7 +262,12 @@ class RadixCache:
         self._count(node, -removed)
         return removed
 
-    def _count(self, node: RadixNode, n: int) -> None:
+    def _tier(self) -> NodeTier:
+        if self.tier is None:  # offloaded nodes exist only with a tier
+            raise RuntimeError("an offloaded node without an offload tier")
+        return self.tier
+
+    def _count(self, node: Node, n: int) -> None:
         """`n` slots joined (or, negative, left) the tree at `node`."""
         self.num_cached_slots += n
         if node.ref == 0:
@@ -288,7 +302,7 @@ class RadixCache:
             leaf.slots, leaf.tier = [], tier
         return freed
 
-    def _lru_unlocked_leaf(self) -> RadixNode | None:
+    def _lru_unlocked_leaf(self) -> Node | None:
         best, stack = None, [self.root]
         while stack:
             node = stack.pop()
@@ -299,7 +313,7 @@ class RadixCache:
             stack.extend(resident)  # below an offloaded node, every node is offloaded
         return best
 
-    def discard(self, node: RadixNode) -> None:
+    def discard(self, node: Node) -> None:
         """An offload tier gave up `node`'s copy: the node and its subtree leave (unless
         they left already, with an ancestor)."""
         n = node
@@ -309,21 +323,21 @@ class RadixCache:
             n = n.parent
         self._discard(node)
 
-    def _discard(self, node: RadixNode) -> None:
+    def _discard(self, node: Node) -> None:
         freed = self._remove(node)
         if freed and self.free_slots is not None:
             self.free_slots(freed)
 
-    def _remove(self, node: RadixNode) -> list[int]:
+    def _remove(self, node: Node) -> list[int]:
         """Take unlocked `node` and its subtree out of the tree; returns their slots (the
         caller frees them) and drops their offloaded copies."""
-        del node.parent.children[node.tokens[0]]
+        del node.up().children[node.tokens[0]]
         freed, stack = [], [node]
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
             if n.tier is not None:
-                self.tier.drop(n)
+                self._tier().drop(n)
             else:
                 freed.extend(n.slots)
                 self._count(n, -len(n.slots))
@@ -331,23 +345,23 @@ class RadixCache:
 
     def graft(
         self, path: list[int], start: int, positions: list[int] | None, tier: str
-    ) -> RadixNode | None:
+    ) -> Node | None:
         """Add an offloaded node for `path[start:]` below the node that ends at `start`
         (a tier rebuilding the tree); None when no node ends there or the place is taken."""
         node, pos = self.root, 0
         while pos < start:
-            node = node.children.get(path[pos])
-            if node is None or node.tokens != path[pos : pos + len(node.tokens)]:
+            below = node.children.get(path[pos])
+            if below is None or below.tokens != path[pos : pos + len(below.tokens)]:
                 return None
-            pos += len(node.tokens)
+            node, pos = below, pos + len(below.tokens)
         if pos != start or start >= len(path) or path[start] in node.children:
             return None
-        child = RadixNode(path[start:], [], node, positions)
+        child = Node(path[start:], [], node, positions)
         child.tier = tier
         node.children[path[start]] = child
         return child
 
-    def offloaded(self) -> list[tuple[RadixNode, int]]:
+    def offloaded(self) -> list[tuple[Node, int]]:
         """Every offloaded node and the logical position its tokens start at."""
         out, stack = [], [(self.root, 0)]
         while stack:
@@ -371,7 +385,7 @@ class RadixCache:
         return out
 
 
-def _offsets(node: RadixNode) -> list[int]:
+def _offsets(node: Node) -> list[int]:
     return list(range(len(node.slots))) if node.positions is None else node.positions
 
 
@@ -380,7 +394,7 @@ def _compact(positions: list[int], length: int) -> list[int] | None:
     return None if len(positions) == length else positions
 
 
-def _duplicates(node: RadixNode, mine: list[int], offset: int) -> list[int]:
+def _duplicates(node: Node, mine: list[int], offset: int) -> list[int]:
     """Of a sequence's slots for node tokens offset.., those the node does not share."""
     if node.positions is None:
         theirs = node.slots[offset : offset + len(mine)]

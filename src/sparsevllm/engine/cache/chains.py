@@ -1,12 +1,14 @@
-"""Chain cache: conversations continue from an eviction method's resident state.
+"""Chains: conversations continue from an eviction method's resident state.
 
 A prefix cache cannot serve eviction methods: the KV they keep is no longer a plain
 prefix. Instead, when a turn ends its whole sequence state stays resident as an idle
 *chain*: the logical tokens it has processed, the retained KV (the pool's slot tables
 of its owner sequence id) and the method's own state (kept by the method under the same
 id). A new request whose tokens start with a chain's tokens continues from that state
-and prefills only its new suffix. Pure Python: the engine supplies `on_drop`, which
-frees a dropped chain's slots and method state.
+and prefills only its new suffix. This module keeps the chains' bookkeeping (lookup,
+one writer per chain, least-recently-used reclaim); the chain store (`chain_store.py`)
+supplies `on_drop`, which frees a dropped chain's slots and method state, and the
+offload callbacks. Pure Python.
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
-class ChainBusyError(ValueError):
-    """A second request tried to write to a chain that a running request is extending."""
+from sparsevllm.engine.cache.store import ChainBusyError, ChainRow
 
 
 @dataclass
@@ -25,7 +25,10 @@ class Chain:
     chain_id: str
     owner: int  # sequence id under which the pool and the method keep the state
     tokens: list[int]  # logical tokens the state covers
-    resident: int  # slots it holds (fullest layer group): what dropping it frees
+    resident: int  # slots it holds (fullest layer group), as listings report it
+    # Slots dropping it frees in every main layer group (its emptiest one): what the
+    # pool may count on, since it is as full as its fullest group.
+    reclaim: int
     busy: bool = False
     last_used: int = 0
     tier: str | None = None  # "CPU" or "disk": its KV lives in that tier; no slots held
@@ -36,6 +39,8 @@ class Chain:
 
 
 class ChainCache:
+    """Idle and busy chains by id; `on_drop(owner)` frees what a dropped chain held."""
+
     def __init__(
         self,
         on_drop: Callable[[int], None],
@@ -97,7 +102,7 @@ class ChainCache:
         """Make an offloaded chain's KV resident again; False (still offloaded) if the
         pool has no room."""
         if chain.offloaded:
-            if not self.restore(chain):
+            if self.restore is None or not self.restore(chain):
                 return False
             chain.tier = None
         return True
@@ -112,19 +117,35 @@ class ChainCache:
         return best
 
     # -- life cycle ---------------------------------------------------------------------
-    def park(self, chain_id: str, owner: int, tokens: list[int], resident: int) -> None:
-        """A turn ended: keep its state as the idle chain `chain_id`."""
+    def park(
+        self, chain_id: str, owner: int, tokens: list[int], resident: int, reclaim: int
+    ) -> bool:
+        """A turn ended: keep its state as the idle chain `chain_id`, replacing an idle
+        chain of that id. False (nothing kept) when another running request extends a
+        chain of that id: one writer per chain, and that one came first."""
         old = self.chains.get(chain_id)
         if old is not None and old.owner != owner:
+            if old.busy:
+                return False
             self.drop(old)
         self.chains[chain_id] = Chain(
-            chain_id, owner, list(tokens), resident, False, next(self._clock)
+            chain_id, owner, list(tokens), resident, reclaim, last_used=next(self._clock)
         )
+        return True
 
-    def adopt(self, chain_id: str, owner: int, tokens: list[int], resident: int, tier: str) -> None:
-        """Register an offloaded chain saved by an earlier engine (newest last)."""
+    def adopt(
+        self, chain_id: str, owner: int, tokens: list[int], counts: list[int], tier: str
+    ) -> None:
+        """Register an offloaded chain saved by an earlier engine (newest last);
+        `counts`: its rows per main layer group."""
         self.chains[chain_id] = Chain(
-            chain_id, owner, list(tokens), resident, False, next(self._clock), tier
+            chain_id,
+            owner,
+            list(tokens),
+            max(counts),
+            min(counts),
+            last_used=next(self._clock),
+            tier=tier,
         )
 
     def by_owner(self, owner: int) -> Chain | None:
@@ -136,10 +157,13 @@ class ChainCache:
         if chain is not None:
             self.drop(chain)
 
-    def forget(self, chain_id: str | None) -> None:
-        """The running request of a busy chain was aborted or preempted: its state is gone."""
-        if chain_id is not None:
-            self.chains.pop(chain_id, None)
+    def forget(self, chain_id: str | None, owner: int) -> None:
+        """The running request `owner` of chain `chain_id` was aborted or preempted: the
+        chain's state, which it had taken over, is gone. (A chain of that id parked
+        meanwhile by another request keeps its own state.)"""
+        chain = self.chains.get(chain_id) if chain_id is not None else None
+        if chain is not None and chain.owner == owner:
+            del self.chains[chain.chain_id]
 
     def drop(self, chain: Chain) -> None:
         self.chains.pop(chain.chain_id, None)
@@ -148,16 +172,22 @@ class ChainCache:
     # -- memory pressure ----------------------------------------------------------------
     @property
     def reclaimable_slots(self) -> int:
-        return sum(c.resident for c in self.chains.values() if not (c.busy or c.offloaded))
+        """Free slots every main group would gain if all idle resident chains went."""
+        return sum(c.reclaim for c in self.idle_resident())
+
+    @property
+    def cached_slots(self) -> int:
+        """Slots the idle resident chains hold (fullest layer group of each)."""
+        return sum(c.resident for c in self.idle_resident())
+
+    def idle_resident(self) -> list[Chain]:
+        return [c for c in self.chains.values() if not (c.busy or c.offloaded)]
 
     def make_room(self, n: int) -> None:
-        """Drop idle chains, least recently used first, until `n` slots were freed."""
+        """Offload or drop idle chains, least recently used first, until every main
+        layer group gained `n` free slots (or none is left)."""
         freed = 0
-        idle = sorted(
-            (c for c in self.chains.values() if not (c.busy or c.offloaded)),
-            key=lambda c: c.last_used,
-        )
-        for chain in idle:
+        for chain in sorted(self.idle_resident(), key=lambda c: c.last_used):
             if freed >= n:
                 break
             tier = self.offload(chain) if self.offload is not None else None
@@ -165,9 +195,9 @@ class ChainCache:
                 chain.tier = tier
             else:
                 self.drop(chain)
-            freed += chain.resident
+            freed += chain.reclaim
 
-    def listing(self) -> list[dict[str, object]]:
+    def listing(self) -> list[ChainRow]:
         return [
             {
                 "chain_id": c.chain_id,

@@ -1,0 +1,47 @@
+"""What an idle chain keeps on the device besides its KV rows, for its disk file.
+
+A chain's sequence id owns two more pieces of state: the logical position of every view
+entry once its method evicted (`ViewPositions`), and the method's own per-sequence
+state (H2O's cumulative scores, for example). The host tier leaves both in place; a
+disk file carries them (`EntryState`), so that a later engine continues the chain
+exactly as this one would.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from sparsevllm.engine.cache.kv_rows import StatePayload
+from sparsevllm.engine.kv_access import RunnerKV
+from sparsevllm.sparse.base import SparseMethod
+
+
+class ChainDeviceState:
+    """`EntryState` of chains: entries keyed by their owner sequence id."""
+
+    def __init__(self, kv: RunnerKV, method: SparseMethod, num_groups: int) -> None:
+        self.kv = kv
+        self.method = method
+        self.num_groups = num_groups
+
+    def export(self, key: int) -> StatePayload:
+        records = self.kv.positions.export(key, self.num_groups)
+        return {
+            "positions": [None if rec is None else rec[0] for rec in records],
+            "next_pos": [-1 if rec is None else rec[1] for rec in records],
+            "method_state": self.method.export_state(key),
+        }
+
+    def load(self, key: int, state: StatePayload) -> None:
+        positions = cast(list[torch.Tensor | None], state["positions"])
+        next_pos = cast(list[int], state["next_pos"])
+        records = [None if kept is None else (kept, n) for kept, n in zip(positions, next_pos)]
+        self.kv.positions.load(key, records)
+        method_state = cast(dict[str, torch.Tensor], state["method_state"])
+        self.method.import_state(key, method_state, self.kv.device)
+
+    def release(self, key: int) -> None:
+        self.method.release(key)
+        self.kv.forget(key)
