@@ -40,7 +40,11 @@ VIOLATIONS = [
     ("engine/kv_pool.py", "import sparsevllm.server.app", "Layers"),
     ("engine/scheduler.py", "import torch", "never import torch"),
     ("sparse/vanilla.py", "import sparsevllm.config", "know nothing of the engine"),
-    ("engine/cache/chains.py", "\ndef _late():\n    import sparsevllm.engine.scheduler\n", "cycles"),
+    (
+        "engine/cache/chains.py",
+        "\ndef _late():\n    import sparsevllm.engine.scheduler\n",
+        "cycles",
+    ),
 ]
 
 
