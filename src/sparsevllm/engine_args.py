@@ -19,9 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--config", metavar="FILE", help="JSON file of engine settings; flags override it."
     )
     hints = typing.get_type_hints(EngineConfig)
+    defaults = EngineConfig.knob_defaults()
     for name in EngineConfig.field_names():
-        default = EngineConfig.knob_defaults()[name]
-        _add_setting(group, name, base_type(hints[name]), FIELD_HELP[name], default)
+        _add_setting(group, name, base_type(hints[name]), FIELD_HELP[name], defaults[name])
     seen: set[str] = set()  # knobs shared by several methods (PyramidKV extends SnapKV's)
     for spec in all_specs():
         names = [n for n in spec.knobs.names() if n not in seen]
@@ -29,9 +29,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         owners = ", ".join(knob_owners(names[0]))
         knobs = parser.add_argument_group(f"knobs of {owners} (see sparsevllm methods)")
+        knob_defaults = spec.knobs.defaults()
         for name in names:
-            default = spec.knobs.defaults()[name]
-            _add_setting(knobs, name, spec.knobs.type_of(name), spec.knobs.help(name), default)
+            help_text = spec.knobs.help(name)
+            _add_setting(knobs, name, spec.knobs.type_of(name), help_text, knob_defaults[name])
         seen.update(names)
 
 
