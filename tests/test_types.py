@@ -41,11 +41,12 @@ def _name(node: ast.expr) -> str | None:
     return node.attr if isinstance(node, ast.Attribute) else None
 
 
-def admits_any(annotation: ast.expr) -> str | None:
-    """Why `annotation` lets Any in (None: it does not)."""
+def admits_any(annotation: ast.expr, own: frozenset[str] = frozenset()) -> str | None:
+    """Why `annotation` lets Any in (None: it does not). `own`: names the module imports
+    from the project (the engine's `Sequence` class is no bare generic)."""
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
         try:  # a forward reference (or a Literal's text, which parses to no Any)
-            return admits_any(ast.parse(annotation.value, mode="eval").body)
+            return admits_any(ast.parse(annotation.value, mode="eval").body, own)
         except SyntaxError:
             return None
     subscripted = {id(n.value) for n in ast.walk(annotation) if isinstance(n, ast.Subscript)}
@@ -53,14 +54,14 @@ def admits_any(annotation: ast.expr) -> str | None:
         name = _name(node) if isinstance(node, ast.expr) else None
         if name == "Any":
             return "Any"
-        if name in BARE_GENERICS and id(node) not in subscripted:
+        if name in BARE_GENERICS and name not in own and id(node) not in subscripted:
             return f"a bare {name}"
         if isinstance(node, ast.Subscript) and _name(node.value) == "Callable":
             params = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) else None
             if isinstance(params, ast.Constant) and params.value is Ellipsis:
                 return "Callable[..., ...]"
         if node is not annotation and isinstance(node, ast.Constant):
-            if isinstance(node.value, str) and (why := admits_any(node)):
+            if isinstance(node.value, str) and (why := admits_any(node, own)):
                 return why
     return None
 
@@ -97,11 +98,23 @@ def boundary(body: list[ast.stmt], prefix: str = "") -> Iterator[tuple[str, ast.
             yield from ((prefix + n, node.value) for n in names if _is_public(n))
 
 
+def project_names(tree: ast.Module) -> frozenset[str]:
+    """Names a module imports from the project itself (`from sparsevllm.x import Y`)."""
+    return frozenset(
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sparsevllm")
+        for alias in node.names
+    )
+
+
 def any_on_boundary(source: str) -> list[str]:
+    tree = ast.parse(source)
+    own = project_names(tree)
     return [
         f"{name}: {why}"
-        for name, annotation in boundary(ast.parse(source).body)
-        if (why := admits_any(annotation))
+        for name, annotation in boundary(tree.body)
+        if (why := admits_any(annotation, own))
     ]
 
 
@@ -136,6 +149,10 @@ def test_no_boundary_of_a_typed_module_admits_any():
         ("def _f(x: Any) -> Any: ...\nclass _C:\n    y: Any", []),
         ("class C:\n    def _m(self, x: Any) -> None: ...\n    _y: Any", []),
         ("def f(x: tuple[int, ...], y: type[object]) -> Mapping[str, object]: ...", []),
+        # A project class that shares a generic's name is no bare generic ...
+        ("from sparsevllm.engine.sequence import Sequence\ndef f(s: Sequence) -> None: ...", []),
+        # ... but typing's is.
+        ("from typing import Sequence\ndef f(s: Sequence) -> None: ...", ["f: a bare Sequence"]),
     ],
 )
 def test_the_boundary_check_finds_any(source, found):

@@ -58,7 +58,7 @@ def test_same_outputs_as_without_overlap(tiny_model_factory, method, max_num_seq
     for a, b in zip(ahead, plain):
         assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
     assert any(o.finish_reason == "stop" for o in plain)
-    overlap = llm.engine._overlap
+    overlap = llm.engine.loop
     if method in OPTS_OUT:
         assert overlap.num_steps_ahead == 0
     else:
@@ -129,7 +129,7 @@ def test_min_tokens_boundary(tiny_model_factory):
         outs.append([o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
     assert outs[0] == outs[1]
     assert outs[1][0] == first[: m + 1]  # stopped at the first token min_tokens allows
-    assert llm.engine._overlap.num_steps_ahead > 5
+    assert llm.engine.loop.num_steps_ahead > 5
 
 
 def test_sampling_with_history_is_not_scheduled_ahead(tiny_model_factory):
@@ -139,7 +139,7 @@ def test_sampling_with_history_is_not_scheduled_ahead(tiny_model_factory):
     plain = engine(model, "vanilla", False).generate(PROMPTS, params, use_tqdm=False)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert llm.engine._overlap.num_steps_ahead == 0
+    assert llm.engine.loop.num_steps_ahead == 0
 
 
 @pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "chain"])
@@ -158,7 +158,7 @@ def test_sliding_window_layers(tmp_path, caching):
         runs.append([o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
         assert llm.engine.pool.windows  # the model has window groups here
     assert runs[0] == runs[1]
-    ahead = llm.engine._overlap.num_steps_ahead
+    ahead = llm.engine.loop.num_steps_ahead
     assert ahead == 0 if caching else ahead > 5
 
 

@@ -1,12 +1,15 @@
-"""Device slot tables (CPU stands in for the device) and the asynchronous upload helper."""
+"""Device slot tables (CPU stands in for the device), the pool's change record they flush
+from, and the asynchronous upload helper."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.kv_pool import KVPool, WindowGroup
+from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
+from sparsevllm.engine.step_plan import table_writes
 from sparsevllm.upload import upload
 
 CPU = torch.device("cpu")
@@ -32,36 +35,96 @@ def _grow(pool: KVPool, steps: list[tuple[int, int]]) -> None:
         pool.append(seq_id, n)
 
 
-def test_deferred_newest_entries_match_the_full_upload():
+class _Mirror:
+    """A pool with device tables kept in sync the way the runner does: each step applies
+    the plan's writes, then writes the deferred entries from the slot mapping."""
+
+    def __init__(self, pool: KVPool, num_rows: int, max_len: int) -> None:
+        self.pool = pool
+        self.rows = SlotRows(pool, num_rows, max_len)
+        self.dev = DeviceSlotTables(pool.num_groups, num_rows, max_len, CPU)
+
+    def step(self, seq_ids: list[int], counts: list[int] | None = None) -> list[int]:
+        """Flush the views of `seq_ids`, whose step added `counts` tokens (None: one)."""
+        row_ids = [self.rows.row(s) for s in seq_ids]
+        lens = [[len(v) for v in self.pool.tables[s]] for s in seq_ids]
+        writes = table_writes(self.pool, self.rows, seq_ids, row_ids, lens, counts)
+        self.dev.apply(writes)
+        rows = torch.tensor(row_ids)
+        view_lens = torch.tensor(lens).t()  # [G, S]
+        groups = range(self.pool.num_groups)
+        n = counts or [1] * len(seq_ids)
+        new = [self.pool.tables[s][g][-k:] for g in groups for s, k in zip(seq_ids, n)]
+        mapping = torch.tensor([x for part in new for x in part]).view(len(groups), -1)
+        q_starts = torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()])
+        self.dev.write_new(rows, view_lens, mapping, None if counts is None else q_starts)
+        return writes.deferred
+
+    def assert_mirrors(self, seq_ids: list[int]) -> None:
+        for s in seq_ids:
+            for g in range(self.pool.num_groups):
+                view = self.pool.table(s, g)
+                assert self.dev.table[g, self.rows.row(s), : len(view)].tolist() == view
+                assert self.pool.is_clean(s, g)
+
+
+def test_decode_step_writes_only_what_the_pool_recorded():
     """A decode step: sequences whose every group grew by one are written on the device
-    (write_new) and the table equals the one sync alone uploads; the others (a fresh
-    prompt, a rewritten view) still go through the upload."""
-    tables = {}
-    for deferring in (False, True):
-        pool = KVPool(64, 3, [[0], [1], [2]])
-        t = DeviceSlotTables(pool, 4, 16, CPU)
-        _grow(pool, [(0, 5), (1, 3)])
-        t.sync([0, 1])
-        pool.replace_view(1, 2, keep=[0, 2])  # an eviction in group 2 of sequence 1
-        t.rewrite(1, 2)
-        _grow(pool, [(0, 1), (1, 1), (2, 4)])  # 0 and 1 decode, 2 is a new prompt
-        seq_ids = [0, 1, 2]
-        if not deferring:
-            assert t.sync(seq_ids) == []
-        else:
-            lens = [[len(view) for view in pool.tables[s]] for s in seq_ids]
-            deferred = t.sync(seq_ids, lens)
-            assert deferred == [0, 1]
-            rows = torch.tensor([t.row(s) for s in seq_ids])
-            view_lens = torch.tensor(lens).t()  # [G, S]
-            newest = torch.tensor([[view[-1] for view in pool.tables[s]] for s in seq_ids]).t()
-            t.write_new(rows, view_lens, newest)
-        tables[deferring] = t.table.clone()
-        for s in seq_ids:  # the device rows hold the pool's views
-            for g in range(3):
-                view = pool.table(s, g)
-                assert t.table[g, t.row(s), : len(view)].tolist() == view
-    assert torch.equal(tables[False], tables[True])
+    from the slot mapping; the others (a fresh prompt, a rewritten view) get uploads, and
+    every device row equals the pool's view afterwards."""
+    pool = KVPool(64, 3, [[0], [1], [2]])
+    m = _Mirror(pool, 4, 16)
+    _grow(pool, [(0, 5), (1, 3)])
+    m.step([0, 1], [5, 3])
+    pool.replace_view(1, 2, keep=[0, 2])  # an eviction in group 2 of sequence 1
+    assert pool.clean_prefix(1) == [3, 3, 1]  # entry 0 did not move
+    _grow(pool, [(0, 1), (1, 1)])
+    assert m.step([0, 1]) == [0]  # 1's rewritten view is uploaded
+    m.assert_mirrors([0, 1])
+    _grow(pool, [(2, 4)])  # a new prompt alone
+    assert m.step([2], [4]) == [0]
+    m.assert_mirrors([0, 1, 2])
+
+
+def test_chunk_entries_written_on_the_device_match_the_pool():
+    """A step with prefill chunks: sequences whose every view grew by their chunk are
+    written from the slot mapping, a rewritten view is uploaded again."""
+    pool = KVPool(96, 2, [[0], [1]])
+    m = _Mirror(pool, 4, 32)
+    _grow(pool, [(0, 6), (1, 5)])
+    m.step([0, 1], [6, 5])
+    pool.replace_view(1, 1, keep=[1, 3])
+    counts = [4, 7, 9]  # a chunk for each: 0 and 1 continue, 2 is a new prompt
+    _grow(pool, list(zip([0, 1, 2], counts)))
+    assert m.step([0, 1, 2], counts) == [0, 2]
+    m.assert_mirrors([0, 1, 2])
+
+
+def test_every_mutator_marks_what_it_changed():
+    """Appends keep the clean prefix; a truncation, a dropped step, a window trim and a
+    fresh row lower it: nothing outside the pool invalidates by hand."""
+    pool = KVPool(32, 3, [[0], [1]], [WindowGroup([2], 4, 32)])
+    m = _Mirror(pool, 2, 16)
+    pool.append(5, 10)
+    m.step([5], [10])
+    pool.append(5, 2)
+    assert pool.clean_prefix(5) == [10, 10, 10] and not pool.is_clean(5, 0)
+    m.step([5], [2])
+    pool.truncate_view(5, 1, 4)  # a per-head compaction keeps the row's prefix
+    assert pool.is_clean(5, 1) and pool.used_per_layer() == [12, 4, 12]
+    pool.drop_last(5)
+    assert pool.clean_prefix(5) == [11, 3, 11] and pool.is_clean(5, 0)
+    assert pool.trim(5) == [2]  # the window keeps its last 3: every entry moved
+    assert pool.clean_prefix(5)[2] == 0 and len(pool.table(5, 2)) == 3
+    pool.append(5, 1)
+    assert m.step([5]) == []  # the trimmed window is uploaded whole
+    m.assert_mirrors([5])
+    m.rows.release(5)  # an idle chain gives its row back; a new row starts over
+    m.rows.row(5)
+    assert pool.clean_prefix(5) == [0, 0, 0]
+    pool.append(5, 1)
+    assert m.step([5]) == []
+    m.assert_mirrors([5])
 
 
 def test_shuffled_slots_give_the_same_tokens(tiny_model_factory):
@@ -85,62 +148,3 @@ def test_shuffled_slots_give_the_same_tokens(tiny_model_factory):
         first = llm.engine.pool.append(10**6, 8)[0]  # the next free slots, in order
         assert (first == list(range(first[0], first[0] + 8))) == (order == "sequential")
     assert outs["sequential"] == outs["shuffled"]
-
-
-def test_truncated_views_keep_their_device_prefix():
-    """A per-head compaction keeps a view's first n entries: the pool frees the tail at
-    once and the device row needs no upload (synced_view is its prefix); entries not
-    yet uploaded are not offered as a synced view."""
-    pool = KVPool(32, 2, [[0], [1]])
-    t = DeviceSlotTables(pool, 2, 16, CPU)
-    pool.append(5, 10)
-    t.sync([5])
-    before = pool.table(5, 1)
-    assert t.synced_view(5, 1).tolist() == before
-    pool.truncate_view(5, 1, 4)
-    t.truncate(5, 1, 4)
-    assert pool.table(5, 1) == before[:4] and pool.used_per_layer() == [10, 4]
-    assert t.synced_view(5, 1).tolist() == before[:4]
-    assert t.sync([5]) == [] and t.synced_view(5, 0).tolist() == pool.table(5, 0)
-    pool.append(5, 2)  # new entries: the row lags until the next sync
-    assert t.synced_view(5, 1) is None and t.synced_view(7, 0) is None
-    t.sync([5])
-    assert t.synced_view(5, 1).tolist() == pool.table(5, 1)
-    assert pool.used_per_layer() == [12, 6]
-
-
-def test_chunk_entries_written_on_the_device_match_the_full_upload():
-    """A step with prefill chunks: sequences whose every view grew by their chunk are
-    written from the slot mapping (write_new); the table equals the one sync alone
-    uploads, including a sequence whose view was rewritten (uploaded as before)."""
-    tables = {}
-    for deferring in (False, True):
-        pool = KVPool(96, 2, [[0], [1]])
-        t = DeviceSlotTables(pool, 4, 32, CPU)
-        _grow(pool, [(0, 6), (1, 5)])
-        t.sync([0, 1])
-        pool.replace_view(1, 1, keep=[1, 3])
-        t.invalidate(1, 1)  # rewritten: uploaded whole at the next sync
-        counts = [4, 7, 9]  # a chunk for each: 0 and 1 continue, 2 is a new prompt
-        _grow(pool, list(zip([0, 1, 2], counts)))
-        seq_ids = [0, 1, 2]
-        lens = [[len(view) for view in pool.tables[s]] for s in seq_ids]
-        if not deferring:
-            assert t.sync(seq_ids) == []
-        else:
-            assert t.sync(seq_ids, lens, counts) == [0, 2]
-            rows = torch.tensor([t.row(s) for s in seq_ids])
-            slots = [
-                view[g][-n:]
-                for g in range(2)
-                for view, n in zip((pool.tables[s] for s in seq_ids), counts)
-            ]
-            mapping = torch.tensor([x for part in slots for x in part]).view(2, -1)  # [G, T]
-            q_starts = torch.tensor([0, 4, 11, 20])
-            t.write_new(rows, torch.tensor(lens).t(), mapping, q_starts)
-        tables[deferring] = t.table.clone()
-        for s in seq_ids:
-            for g in range(2):
-                view = pool.table(s, g)
-                assert t.table[g, t.row(s), : len(view)].tolist() == view
-    assert torch.equal(tables[False], tables[True])

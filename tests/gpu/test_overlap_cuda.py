@@ -9,7 +9,7 @@ import torch
 
 from engine_helpers import METHOD_KNOBS
 from sparsevllm import LLM, SamplingParams
-from sparsevllm.engine.overlap import OverlapStepper
+from sparsevllm.engine.step_loop import StepLoop
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -28,7 +28,7 @@ def test_step_ahead_launches_without_host_sync(tiny_model_factory, method, monke
     llm = LLM(model, device="cuda", **kwargs)  # overlapped: the default on CUDA
     assert llm.engine.async_scheduling
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # compiles the kernels, captures graphs
-    original = OverlapStepper._schedule_next
+    original = StepLoop._schedule_next
 
     def checked(self, current):
         torch.cuda.set_sync_debug_mode("error")  # raises on any synchronising call
@@ -37,7 +37,7 @@ def test_step_ahead_launches_without_host_sync(tiny_model_factory, method, monke
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(OverlapStepper, "_schedule_next", checked)
+    monkeypatch.setattr(StepLoop, "_schedule_next", checked)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-    assert llm.engine._overlap.num_steps_ahead >= GREEDY.max_tokens // 2
+    assert llm.engine.loop.num_steps_ahead >= GREEDY.max_tokens // 2

@@ -56,7 +56,7 @@ def test_overlapped_streams_match_the_plain_server(tiny_server, overlapped_serve
     got = _streams(overlapped_server)
     assert got == want
     # The overlap really ran: steps were launched ahead of their predecessors' tokens.
-    assert overlapped_server.engine._engine._overlap.num_steps_ahead > 0
+    assert overlapped_server.engine._engine.loop.num_steps_ahead > 0
     assert {reason for _, reason, _ in got} == {"length", "stop"}  # both endings ran
     after = overlapped_server.wait_idle()
     assert after["sparsevllm:kv_slots_used"] == 0

@@ -9,11 +9,17 @@ with the tail padded by dummy rows (no KV store: slot -1; a one-token view of sl
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.sparse.base import SeqStep
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from sparsevllm.engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +34,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int) -> None:  # runner: ModelRunner
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
         self.runner = runner
         self.buckets = bucket_sizes(max_batch)
         dev = runner.device
@@ -42,12 +48,12 @@ class DecodeGraphs:
         self.decode = torch.ones(b, dtype=torch.bool, device=dev)  # replays are decode-only
         self.score_rows = torch.zeros(b, dtype=torch.int32, device=dev)
         # The last table row is the padding row: its first entry points at slot 0.
-        self.pad_row = runner.tables.table.shape[1] - 1
-        runner.tables.reserve_row(self.pad_row)
+        self.pad_row = runner.rows.num_rows - 1
+        runner.rows.reserve(self.pad_row)
         runner.tables.table[:, self.pad_row, 0] = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.epoch = 0  # the method's graph_epoch when the graphs were captured
-        self.mem_pool = None
+        self.mem_pool: _POOL_HANDLE | None = None
 
     def _static_batch(self, size: int) -> ForwardBatch:
         r = self.runner

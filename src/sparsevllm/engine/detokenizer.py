@@ -59,11 +59,14 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         # No clean-up of tokenization spaces: it rewrites text across token
         # boundaries (" ." -> "."), which would make window diffs inconsistent.
-        return self._tokenizer.decode(
+        text = self._tokenizer.decode(
             ids,
             skip_special_tokens=self._skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+        if not isinstance(text, str):  # a batch decode: not what a flat id list gives
+            raise TypeError(f"tokenizer.decode returned {type(text).__name__}, not str")
+        return text
 
     def add(self, token_id: int) -> str:
         """Append one generated token and return the newly finalised text (maybe "")."""

@@ -4,29 +4,28 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from typing import Any
 
 import torch
 
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.cache.store import NO_CLAIM, PruneResult, store_stats
-from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
+from sparsevllm.engine.capacity import CapacityPlan, resolve_max_model_len
 from sparsevllm.engine.kv_pool import KVPool, shuffle_seed
-from sparsevllm.engine.overlap import OverlapStepper
+from sparsevllm.engine.output_processor import OutputProcessor
 from sparsevllm.engine.prune import prune_cache
 from sparsevllm.engine.runner import ModelRunner, resolve_device
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from sparsevllm.engine.sequence import Sequence
+from sparsevllm.engine.slot_rows import SlotRows
+from sparsevllm.engine.step_loop import StepLoop
+from sparsevllm.engine.step_plan import plan_step
 from sparsevllm.engine.store_setup import build_store
 from sparsevllm.models.loader import load_model_source
-from sparsevllm.outputs import RequestOutput, request_output
+from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling import SamplingParams
 from sparsevllm.sparse.registry import resolve_prefill_policy
 
 logger = logging.getLogger(__name__)
-
-_MAX_DEFAULT_MODEL_LEN = 32768
 
 
 class LLMEngine:
@@ -38,56 +37,51 @@ class LLMEngine:
         self.source = load_model_source(config.model, config.tokenizer, config.load_format)
         self.tokenizer = self.source.tokenizer
         self.eos_token_ids = self.source.eos_token_ids
-        self.max_model_len = self._resolve_max_model_len()
-        self.runner = ModelRunner(config, self.source, self.max_model_len)
+        limit = getattr(self.source.hf_config, "max_position_embeddings", None)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, limit)
+        self.prefill_policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
+        self.capacity = CapacityPlan.derive(config, self.max_model_len, self.prefill_policy)
+        self.runner = ModelRunner(config, self.source, self.capacity)
         self.method = self.runner.method
         groups, window_groups = self.runner.pool_groups()
         seed = shuffle_seed(config.kv_slot_order, config.seed)
         self.pool = KVPool(
             self.runner.num_slots, self.runner.num_layers, groups, window_groups, seed
         )
-        # Rows for every running sequence, plus room for rows not yet returned by
-        # requests that ended mid-step and for prompt_logits().
-        self.runner.bind_pool(self.pool, 2 * config.max_num_seqs + 1, self.max_model_len)
-        policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
-        self.prefill_policy = policy
+        self.rows = SlotRows(self.pool, self.capacity.table_rows, self.max_model_len)
+        self.runner.bind_pool(self.pool, self.rows)
         self._seq_ids = itertools.count()
         # Cross-request KV state (the radix prefix cache or the chain cache), if any.
         self.store = build_store(config, self.source, self.runner, self.pool, self._new_seq_id)
+        cap = self.capacity
         self.scheduler = Scheduler(
             self.pool,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.chunk_prefill_size,
-            solo_prefill_threshold=(
-                config.long_prefill_offload_threshold
-                if policy == "long_bs1full_short_batch"
-                else None
-            ),
+            cap.max_num_seqs,
+            cap.max_num_batched_tokens,
+            cap.chunk_prefill_size,
+            solo_prefill_threshold=cap.solo_prefill_threshold,
             store=self.store,
         )
-        self._detok: dict[int, IncrementalDetokenizer] = {}
-        self._emitted: dict[int, int] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self._by_request: dict[str, Sequence] = {}
-        self._aborted: list[Sequence] = []
-        self.num_generated_tokens = 0
         overlap = self.config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
-        self._overlap = OverlapStepper(self) if self.async_scheduling else None
+        self.loop = StepLoop(
+            self.scheduler,
+            self.pool,
+            self.rows,
+            self.runner,
+            self.outputs,
+            self.eos_token_ids,
+            self.async_scheduling,
+        )
 
     def _new_seq_id(self) -> int:
         return next(self._seq_ids)
 
-    def _resolve_max_model_len(self) -> int:
-        limit = getattr(self.source.hf_config, "max_position_embeddings", None)
-        wanted = self.config.max_model_len
-        if wanted is None:
-            return min(limit or _MAX_DEFAULT_MODEL_LEN, _MAX_DEFAULT_MODEL_LEN)
-        if limit is not None and wanted > limit:
-            raise ValueError(
-                f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}"
-            )
-        return wanted
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.outputs.num_generated_tokens
 
     # -- requests -----------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -166,11 +160,7 @@ class LLMEngine:
             seq.num_computed_tokens = seq.num_cached_tokens = claim.cached_tokens
             self.scheduler.stats.num_cached_prompt_tokens += claim.cached_tokens
         self.runner.add_generator(seq_id, params.seed)
-        if self.tokenizer is not None:
-            self._detok[seq_id] = IncrementalDetokenizer(
-                self.tokenizer, ids, params.skip_special_tokens
-            )
-        self._emitted[seq_id] = 0
+        self.outputs.add(seq)
         self._by_request[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -184,9 +174,7 @@ class LLMEngine:
         seq = self._by_request.get(request_id)
         if seq is None or seq.is_finished:
             return False
-        self.scheduler.finish(seq, "abort")
-        self._aborted.append(seq)
-        self.runner.release(seq.seq_id, keep_generator=True)  # its table row, at once
+        self.loop.abort(seq)
         return True
 
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
@@ -207,10 +195,12 @@ class LLMEngine:
                 n = min(chunk, len(ids) - start)
                 self.pool.append(seq.seq_id, n)
                 sched = SchedulerOutput(scheduled=[ScheduledSeq(seq, start, n)])
-                logits.append(self.runner.forward_logits(sched, self.pool))
+                plan = plan_step(sched, self.pool, self.rows)
+                logits.append(self.runner.forward_logits(plan))
             return torch.cat(logits)
         finally:
             self.pool.release(seq.seq_id)
+            self.rows.release(seq.seq_id)
             self.runner.release(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -221,116 +211,11 @@ class LLMEngine:
         """Run one batch; return an output for every request that advanced or finished
         (finished ones only with `partial_outputs=False`: an offline caller that waits for
         complete requests then does not copy every running request's tokens each step)."""
-        if self._overlap is not None:
-            return self._overlap.step(partial_outputs)
-        sched = self.scheduler.schedule()
-        touched = self._begin(sched)
-        if not sched.is_empty:
-            result = self.runner.execute(sched, self.pool, self.eos_token_ids)
-            touched += self._complete(sched, result)
-        return self._outputs(touched, partial_outputs)
-
-    def _begin(self, sched: SchedulerOutput) -> list[Sequence]:
-        """Bookkeeping of a fresh schedule; returns the requests already to report."""
-        for seq in sched.preempted:
-            self.runner.release(seq.seq_id, keep_generator=True)  # recompute from scratch
-        touched: list[Sequence] = list(sched.failed)
-        # Aborted since the last step: reported once, without scanning every request.
-        touched.extend(self._aborted)
-        self._aborted.clear()
-        now = time.perf_counter()
-        for s in sched.scheduled:
-            s.seq.metrics.first_scheduled_time = s.seq.metrics.first_scheduled_time or now
-        return touched
-
-    def _complete(self, sched: SchedulerOutput, result: Any) -> list[Sequence]:
-        """Account a finished forward and its sampled tokens (rows of requests that ended
-        meanwhile, by an abort or before a step scheduled ahead, are dropped)."""
-        touched = []
-        live = [s for s in sched.scheduled if not s.seq.is_finished]
-        sampled = [(i, s) for i, s in enumerate(x for x in sched.scheduled if x.samples)]
-        for s in live:
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
-        for i, s in sampled:
-            if s.seq.is_finished:
-                continue
-            self._append_token(s.seq, result.token_ids[i], result.logprobs[i])
-            touched.append(s.seq)
-        return touched
-
-    def _outputs(self, touched: list[Sequence], partial: bool = True) -> list[RequestOutput]:
-        outputs = [self._make_output(seq) for seq in touched if partial or seq.is_finished]
-        for seq in touched:
-            if seq.is_finished:
-                self._forget(seq)
+        outputs = self.loop.step(partial_outputs)
+        for out in outputs:
+            if out.finished:
+                self._by_request.pop(out.request_id, None)
         return outputs
-
-    def _append_token(self, seq: Sequence, token: int, logprobs: Any) -> None:
-        now = time.perf_counter()
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        seq.output_token_ids.append(token)
-        if seq.params.logprobs is not None:
-            seq.output_logprobs.append(logprobs)
-        self.num_generated_tokens += 1
-        detok = self._detok.get(seq.seq_id)
-        if detok is not None:
-            detok.add(token)
-        reason = self._finish_reason(seq, token)
-        if reason is not None:
-            if detok is not None:
-                detok.flush()  # release text held back for an incomplete character
-            seq.metrics.finished_time = now
-            if self._overlap is not None:
-                self._overlap.before_finish(seq)
-            self.scheduler.finish(seq, reason)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        if n_out >= p.min_tokens:
-            if token in (p.stop_token_ids or ()):
-                seq.stop_reason = token
-                return "stop"
-            if not p.ignore_eos and token in seq.eos_token_ids:
-                return "stop"
-            if p.stop and seq.seq_id in self._detok:
-                detok = self._detok[seq.seq_id]
-                _, matched = truncate_at_stop(
-                    detok.text, p.stop, p.include_stop_str_in_output, self._emitted[seq.seq_id]
-                )
-                if matched is not None:
-                    seq.stop_reason = matched
-                    return "stop"
-        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _output_text(self, seq: Sequence) -> str:
-        detok = self._detok.get(seq.seq_id)
-        if detok is None:
-            return ""
-        text = detok.text
-        if seq.params.stop:
-            text, _ = truncate_at_stop(
-                text, seq.params.stop, seq.params.include_stop_str_in_output, 0
-            )
-        return text
-
-    def _make_output(self, seq: Sequence) -> RequestOutput:
-        text = self._output_text(seq)
-        prev = self._emitted.get(seq.seq_id, 0)
-        self._emitted[seq.seq_id] = len(text)
-        return request_output(seq, text, text[prev:])
-
-    def _forget(self, seq: Sequence) -> None:
-        self._by_request.pop(seq.request_id, None)
-        self._detok.pop(seq.seq_id, None)
-        self._emitted.pop(seq.seq_id, None)
-        if seq.parked:  # the chain keeps the method state; only the table row goes
-            self.runner.release_row(seq.seq_id)
-        else:
-            self.runner.release(seq.seq_id)
 
     # -- cached history -----------------------------------------------------------------
     def prune(
@@ -349,8 +234,7 @@ class LLMEngine:
 
     def drain(self) -> None:
         """Wait for a step launched ahead (async_scheduling) whose rows all ended."""
-        if self._overlap is not None:
-            self._overlap.drain()
+        self.loop.drain()
 
     def persist_chains(self) -> int:
         """Write idle chains, or the radix cache's unlocked nodes, to the disk tier (if
@@ -365,7 +249,7 @@ class LLMEngine:
         self.scheduler.stats = SchedulerStats()
         self.pool.reset_peak()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         st = self.scheduler.stats
         cached = self.store.stats() if self.store is not None else store_stats(0)
         return {

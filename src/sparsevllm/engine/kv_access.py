@@ -1,7 +1,8 @@
 """The runner's implementation of `KVAccess`: what sparse methods may do to the KV.
 
 Every eviction goes through `keep` / `keep_per_head`, which also record the logical
-position of each kept entry (`ViewPositions`) for pruning and the disk tier.
+position of each kept entry (`ViewPositions`) for pruning and the disk tier. Evictions
+change only the pool; its change record brings the device slot tables up to date.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.view_positions import ViewPositions
 from sparsevllm.upload import upload
@@ -23,9 +25,11 @@ class RunnerKV:
         k_cache: list[torch.Tensor],
         v_cache: list[torch.Tensor],
         tables: DeviceSlotTables | None = None,
+        rows: SlotRows | None = None,
     ) -> None:
         self.pool = pool
         self.tables = tables
+        self.rows = rows
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.num_layers = len(k_cache)
@@ -58,11 +62,12 @@ class RunnerKV:
         """A view's slot ids on the device `[L]`: the slot-table row when it is in sync
         (no host list to convert: views are 32K entries long), else uploaded."""
         group = self.pool.group_of_layer[layer]
-        if self.tables is not None:
-            row = self.tables.synced_view(seq_id, group)
-            if row is not None:
-                return row
-        return upload(self.pool.table(seq_id, group), torch.int32, self.device)
+        view = self.pool.table(seq_id, group)
+        if self.tables is not None and self.rows is not None:
+            row = self.rows.get(seq_id)
+            if row is not None and self.pool.is_clean(seq_id, group):
+                return self.tables.view(group, row, len(view))
+        return upload(view, torch.int32, self.device)
 
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         slots = self._view_tensor(seq_id, layer)[start:end].long()
@@ -78,14 +83,7 @@ class RunnerKV:
     def keep(self, seq_id: int, group: int, positions: list[int]) -> None:
         view_len = self.pool.num_resident(seq_id, group)
         self.positions.on_keep(seq_id, group, view_len, positions)
-        self._replace(seq_id, group, positions)
-
-    def _replace(self, seq_id: int, group: int, positions: list[int]) -> None:
         self.pool.replace_view(seq_id, group, positions)
-        # An idle chain (pruned between turns) holds no table row: its row is rebuilt
-        # from the pool when the chain continues.
-        if self.tables is not None and seq_id in self.tables.row_of:
-            self.tables.rewrite(seq_id, group)
 
     def keep_per_head(self, seq_id: int, layer: int, positions: torch.Tensor) -> None:
         group = self.pool.group_of_layer[layer]
@@ -108,5 +106,3 @@ class RunnerKV:
         self.k_cache[layer][dst] = k_new
         self.v_cache[layer][dst] = v_new
         self.pool.truncate_view(seq_id, group, n)
-        if self.tables is not None:
-            self.tables.truncate(seq_id, group, n)

@@ -13,8 +13,14 @@ Sliding-window layers (Gemma 3's local layers) live in *window groups* after the
 ones: a query there never reads further back than its window, so after every step
 `trim` cuts such a group's view to the newest `window - 1` entries and frees the rest.
 A window group has its own slot count, sized by the host so that the running batch
-always fits (`window_group_slots`); it never limits admission, and the counters that
+always fits (`CapacityPlan.window_slots`); it never limits admission, and the counters that
 admission and reports use (`num_free`, `num_used`, `peak_used`) cover the main groups.
+
+The pool also records its own changes for the one consumer that mirrors its views (the
+device slot tables): per sequence and group, how many leading entries are unchanged
+since that consumer last synced (`clean_prefix` / `mark_clean`). Appends keep the
+prefix; every other mutator (an eviction, a window trim, a dropped step) lowers it, so
+the mirror re-uploads exactly what changed and nobody invalidates it by hand.
 """
 
 from __future__ import annotations
@@ -91,12 +97,6 @@ class WindowGroup:
     num_slots: int
 
 
-def window_group_slots(window: int, max_num_seqs: int, max_step_tokens: int) -> int:
-    """Slots a window group needs so the running batch always fits: every sequence
-    holds at most window - 1 between steps, and a step adds at most `max_step_tokens`."""
-    return max_num_seqs * (window - 1) + max_step_tokens
-
-
 class KVPool:
     """Slot allocator plus, per sequence and layer group, the ordered slot table."""
 
@@ -141,6 +141,8 @@ class KVPool:
         # through this pool).
         self._borrowed: dict[int, int] = {}
         self.reclaimer: Reclaimer | None = None
+        # seq_id -> per group: leading view entries unchanged since the consumer synced.
+        self._clean: dict[int, list[int]] = {}
 
     # -- counters ---------------------------------------------------------------------
     @property
@@ -168,6 +170,32 @@ class KVPool:
     def reset_peak(self) -> None:
         for a in self._alloc:
             a.peak_used = a.num_used
+
+    # -- the change record ------------------------------------------------------------
+    def clean_prefix(self, seq_id: int) -> list[int]:
+        """Per group, how many leading entries of `seq_id`'s view are unchanged since the
+        last `mark_clean` (entries past them are new or were rewritten)."""
+        return self._clean[seq_id]
+
+    def mark_clean(self, seq_id: int, lens: list[int]) -> None:
+        """The consumer's copy of `seq_id`'s views now holds their first `lens[g]` entries
+        (its current lengths after an upload; zeros for a copy that must start over)."""
+        self._clean[seq_id] = lens
+
+    def is_clean(self, seq_id: int, group: int) -> bool:
+        """The consumer's copy of this view is whole."""
+        clean = self._clean.get(seq_id)
+        return clean is not None and clean[group] == len(self.tables[seq_id][group])
+
+    def _changed(self, seq_id: int, group: int, keep: int) -> None:
+        """Only the first `keep` entries of a view are still as the consumer saw them."""
+        clean = self._clean[seq_id]
+        if clean[group] > keep:
+            clean[group] = keep
+
+    def _new_view(self, seq_id: int, views: list[list[int]]) -> None:
+        self.tables[seq_id] = views
+        self._clean[seq_id] = [0] * len(views)
 
     # -- per-sequence tables ----------------------------------------------------------
     def has(self, seq_id: int) -> bool:
@@ -202,7 +230,9 @@ class KVPool:
         if n > self.num_free:
             raise PoolExhausted(f"sequence {seq_id} needs {n} slots, {self.num_free} free")
         self._window_room(seq_id, [n] * self.num_groups)
-        tables = self.tables.setdefault(seq_id, [[] for _ in self.layer_groups])
+        if seq_id not in self.tables:
+            self._new_view(seq_id, [[] for _ in self.layer_groups])
+        tables = self.tables[seq_id]
         new = [a.allocate(n) for a in self._alloc]
         for table, slots in zip(tables, new):
             table.extend(slots)
@@ -237,9 +267,10 @@ class KVPool:
     def drop_last(self, seq_id: int, n: int = 1) -> None:
         """Free the newest `n` entries of every group of `seq_id`'s view (a step scheduled
         ahead for a sequence that finished before it: its token is not kept)."""
-        for alloc, table in zip(self._alloc, self.tables[seq_id]):
+        for g, (alloc, table) in enumerate(zip(self._alloc, self.tables[seq_id])):
             alloc.free(table[-n:])
             del table[-n:]
+            self._changed(seq_id, g, len(table))
 
     def append_per_group(self, seq_id: int, counts: list[int]) -> None:
         """Give a new view `counts[g]` slots in group g (restoring offloaded state)."""
@@ -251,7 +282,7 @@ class KVPool:
         self._window_room(seq_id, counts)
         if any(n > a.num_free for n, a in zip(counts, self._alloc)):
             raise PoolExhausted(f"sequence {seq_id} needs {counts} slots")
-        self.tables[seq_id] = [a.allocate(n) for n, a in zip(counts, self._alloc)]
+        self._new_view(seq_id, [a.allocate(n) for n, a in zip(counts, self._alloc)])
 
     def _window_room(self, seq_id: int, counts: list[int]) -> None:
         """Make room in the window groups; only idle cached state can crowd them (the
@@ -279,6 +310,7 @@ class KVPool:
             if drop > 0:
                 self._alloc[g].free(table[:drop])
                 del table[:drop]
+                self._changed(seq_id, g, 0)  # every entry moved forward
                 changed.append(g)
         return changed
 
@@ -287,6 +319,7 @@ class KVPool:
         prefix slots stay with the cache."""
         tables = self.tables.pop(seq_id, None)
         borrowed = self._borrowed.pop(seq_id, 0)
+        self._clean.pop(seq_id, None)
         if tables is None:
             return
         for alloc, table in zip(self._alloc, tables):
@@ -296,12 +329,13 @@ class KVPool:
         """Start `seq_id`'s view with slots borrowed from the prefix cache."""
         if self.num_groups != 1:
             raise RuntimeError("prefix sharing needs a single layer group")
-        self.tables[seq_id] = [list(slots)]
+        self._new_view(seq_id, [list(slots)])
         self._borrowed[seq_id] = len(slots)
 
     def detach(self, seq_id: int) -> list[int]:
         """Take `seq_id`'s view out of the pool without freeing it (the cache adopts it)."""
         self._borrowed.pop(seq_id, None)
+        self._clean.pop(seq_id, None)
         return self.tables.pop(seq_id)[0]
 
     def free_slots(self, slots: list[int]) -> None:
@@ -321,6 +355,7 @@ class KVPool:
         table = self.tables[seq_id][group]
         self.tables[seq_id][group] = table[:n]
         self._alloc[group].free(table[n:])
+        self._changed(seq_id, group, n)
 
     def replace_view(self, seq_id: int, group: int, keep: list[int]) -> list[int]:
         """Keep only the slots at positions `keep` (in that order) of a group's view.
@@ -335,4 +370,7 @@ class KVPool:
         dropped = [s for s in table if s not in kept_set]
         self.tables[seq_id][group] = kept
         self._alloc[group].free(dropped)
+        # Entries before the first moved one stay where the consumer has them.
+        same = next((i for i, p in enumerate(keep) if p != i), len(keep))
+        self._changed(seq_id, group, same)
         return dropped

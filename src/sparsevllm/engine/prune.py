@@ -19,7 +19,7 @@ computed, and new tokens take their logical positions).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,8 +33,9 @@ if TYPE_CHECKING:
     from sparsevllm.engine.runner import ModelRunner
 
 
-def check_prune_args(ranges: Any, method: Any, keep_ratio: Any) -> list[tuple[int, int]]:
-    """Validate what does not depend on the cache; returns the ranges sorted."""
+def check_prune_args(ranges: object, method: object, keep_ratio: object) -> list[tuple[int, int]]:
+    """Validate what does not depend on the cache (values as a request sent them);
+    returns the ranges sorted."""
     check_prune_method(method)
     if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, (int, float)):
         raise ValueError(f"keep_ratio must be a number in (0, 1], got {keep_ratio!r}")
@@ -62,9 +63,9 @@ def prune_cache(
     store: PrefixStore | None,
     chain_id: str | None,
     tokens: list[int] | None,
-    ranges: Any,
-    method: Any,
-    keep_ratio: Any,
+    ranges: list[tuple[int, int]],
+    method: str,
+    keep_ratio: float,
 ) -> PruneResult:
     """Prune the chain `chain_id`, or the cached history `tokens` identify, in `store`
     (the engine's prefix store). Raises ValueError (bad arguments), CacheEntryNotFound,

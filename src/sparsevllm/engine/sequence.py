@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sparsevllm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from sparsevllm.layers.sampler import TokenLogprobs
 
 
 class SeqStatus(enum.Enum):
@@ -45,7 +49,7 @@ class Sequence:
     prompt: str | None = None
     status: SeqStatus = SeqStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
