@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch, default_backend_name, get_backend_class
+from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.cuda_graph import DecodeGraphs
 from sparsevllm.engine.kv_access import RunnerKV
@@ -22,6 +23,7 @@ from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model
 from sparsevllm.sparse.base import SeqStep
 from sparsevllm.sparse.registry import create_method, resolve_prefill_policy
+from sparsevllm.sparse.spec import DecodeViews
 from sparsevllm.upload import upload
 
 logger = logging.getLogger(__name__)
@@ -260,7 +262,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, batch)  # [T, hidden]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
-        self.method.after_step(steps, batch.row_scores(), batch.kv)
+        self.method.after_step(steps, batch.sparse.row_scores(), batch.sparse.kv)
         self._trim_windows(steps)
         sampled = [s for s in sched.scheduled if s.samples]
         if not sampled:
@@ -290,13 +292,17 @@ class ModelRunner:
 
     def _use_graph(self, batch: ForwardBatch) -> bool:
         """Replay a captured graph when nothing in the step needs the host mid-forward."""
+        views = self.method.decode_views
         return (
             self.graphs is not None
             and batch.decode_only
             and self.graphs.fits(batch.num_seqs)
-            # Graph-safe decode views: their score requests are served inside the graph.
-            and (not any(batch.score_rows) or self.method.graph_decode_views)
-            and (not self.method.uses_decode_view or self.method.graph_decode_views)
+            # Graph-computed decode views serve their score requests inside the graph;
+            # otherwise scores are read on the host, after the forward.
+            and (
+                views is DecodeViews.GRAPH
+                or (views is DecodeViews.NONE and not any(batch.sparse.score_rows))
+            )
         )
 
     def bind_pool(self, pool: KVPool, num_rows: int, max_len: int) -> None:
@@ -361,13 +367,15 @@ class ModelRunner:
             rows_t=rows_t,
             view_lens_t=view_lens_t,
             q_starts_t=t_qs.int(),
-            decode_t=t_decode.bool(),
-            score_rows_t=t_score_rows.int(),
-            score_rows=score_rows,
-            score_layers=self.method.score_layers,
-            select_views=self.method.select_views,
-            steps=steps,
-            kv=self.kv,
+            sparse=SparseStep(
+                score_rows=score_rows,
+                score_rows_t=t_score_rows.int(),
+                decode_t=t_decode.bool(),
+                kv=self.kv,
+                steps=steps,
+                score_layers=self.method.score_layers,
+                select_views=self.method.select_views,
+            ),
         )
         self.method.begin_step(batch)
         return batch, t_ids, steps
