@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, TypeAlias
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeAlias, final
 
 import torch
 
@@ -207,9 +207,11 @@ class SparseMethod:
         return {**shared, **self.knobs.values()}
 
     # -- forward hooks ----------------------------------------------------------------
+    @final
     def score_rows(self, step: SeqStep) -> int:
         """How many of the step's newest queries report their attention probabilities
-        (what the host asks; a method answers the two questions below)."""
+        (what the host asks; a method answers the two questions below, so that a decode
+        row asks the same in an eager step as in a captured decode graph)."""
         if step.is_decode and step.num_new == 1:
             return self.decode_score_rows()
         return self.prefill_score_rows(step)
