@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch
+from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.sparse.base import SeqStep
 
 HQ, HKV, D = 8, 2, 16
@@ -43,9 +44,16 @@ class SlotKV:
         return self.k[layer][slots]
 
 
-def make_batch(kv: SlotKV, rows: list[tuple[int, int, bool]], num_rows: int = 8, max_len=128):
+def make_batch(
+    kv: SlotKV,
+    rows: list[tuple[int, int, bool]],
+    num_rows: int = 8,
+    max_len=128,
+    capturing: bool = False,
+):
     """A one-query-per-row ForwardBatch: (seq_id, table row, is_decode) per sequence; the
-    view is kv.views[seq] (its last entry is the new token)."""
+    view is kv.views[seq] (its last entry is the new token). `capturing`: the batch of a
+    decode-graph capture, whose host lists describe no real step."""
     lens = [len(kv.views[s]) for s, _, _ in rows]
     table = torch.full((1, num_rows, max_len), -1, dtype=torch.int32)
     steps = []
@@ -68,11 +76,14 @@ def make_batch(kv: SlotKV, rows: list[tuple[int, int, bool]], num_rows: int = 8,
         rows_t=torch.tensor([r for _, r, _ in rows], dtype=torch.int32, device=dev),
         view_lens_t=torch.tensor([lens], dtype=torch.int32, device=dev),
         q_starts_t=torch.arange(s + 1, dtype=torch.int32, device=dev),
-        decode_t=torch.tensor(flags, dtype=torch.bool, device=dev),
-        score_rows=flags,
-        score_rows_t=torch.tensor(flags, dtype=torch.int32, device=dev),
-        steps=steps,
-        kv=kv,
+        sparse=SparseStep(
+            score_rows=flags,
+            score_rows_t=torch.tensor(flags, dtype=torch.int32, device=dev),
+            decode_t=torch.tensor(flags, dtype=torch.bool, device=dev),
+            kv=kv,
+            steps=steps,
+            capturing=capturing,
+        ),
     )
 
 

@@ -81,6 +81,7 @@ def test_methods_json():
     assert rows["pyramidkv"]["prefill_policy"] == "long_bs1full_short_batch"
     assert rows["streamingllm"]["aliases"] == ["attention-sink", "attention_sink", "streaming"]
     assert rows["snapkv"]["knobs"]["snapkv_window_size"] == 32
+    assert rows["quest"]["decode_views"] == "graph" and rows["h2o"]["decode_views"] == "none"
     text = cli("methods")
     assert text.returncode == 0 and "quest" in text.stdout
 

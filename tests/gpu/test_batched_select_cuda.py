@@ -88,14 +88,15 @@ def test_omnikv_select_views_without_host_sync():
     def batch_with_scores():
         batch = make_batch(kv, rows)
         for f, p in probs.items():
-            batch.put_step_scores(f, p.cuda())
+            batch.sparse.put_step_scores(f, p.cuda(), batch.view_lens[0])
+        m.begin_step(batch)
         return batch
 
     q = torch.randn(len(contexts), HQ, D, device="cuda")
     m.select_views(1, q, batch_with_scores())  # warm-up
     batch = batch_with_scores()
     ref_batch = make_batch(kv, rows)
-    ref_batch.scores = batch.row_scores()  # select_views drops a full layer's scores
+    ref_batch.sparse.scores = batch.sparse.row_scores()  # select_views drops them
     for layer in (1, 2, 4, 5):
         with no_sync():
             subset, lens = m.select_views(layer, q, batch)

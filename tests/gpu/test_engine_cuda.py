@@ -70,6 +70,30 @@ def test_decode_views_inside_decode_graphs(model, method, monkeypatch):
     assert len(replays) >= GREEDY.max_tokens - 2  # the decode steps, graphs throughout
 
 
+def test_eager_decode_views_run_outside_decode_graphs(model, monkeypatch):
+    """A method whose decode views need host data (DecodeViews.EAGER) never replays a
+    decode graph, and gives the tokens of the graph-computed views."""
+    from sparsevllm.engine.cuda_graph import DecodeGraphs
+    from sparsevllm.sparse.quest import Quest
+    from sparsevllm.sparse.spec import DecodeViews
+
+    kwargs = dict(sparse_method="quest", dtype="float32", chunk_prefill_size=16)
+    kwargs.update(CASES["quest"], kv_cache_memory_gb=1)
+    want = [
+        o.token_ids
+        for o in LLM(model, device="cuda", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
+    ]
+    replays: list[int] = []
+    run = DecodeGraphs.run
+    monkeypatch.setattr(
+        DecodeGraphs, "run", lambda self, b, ids: replays.append(b.num_seqs) or run(self, b, ids)
+    )
+    monkeypatch.setattr(Quest, "decode_views", DecodeViews.EAGER)
+    llm = LLM(model, device="cuda", **kwargs)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    assert llm.engine.runner.graphs is not None and replays == []
+
+
 @pytest.mark.parametrize("method", sorted(SELECTING))
 def test_selecting_methods_on_cuda(model, method):
     vanilla = LLM(model, device="cpu", dtype="float32").generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -58,15 +58,18 @@ def test_omnikv_batched_matches_per_row(seed, dense):
         kv.grow(seq, n + 1)
     batch = make_batch(kv, [(s, 7 - s, d) for s, d in enumerate(decode)])
     g = torch.Generator().manual_seed(seed)
+    sparse = batch.sparse
     for f in full:  # the backend's probabilities: [Hq, L_i] per asking row
         rows = [torch.rand(HQ, n + 1, generator=g) if d else None for n, d in zip(contexts, decode)]
-        batch.scores[f] = rows
+        sparse.scores[f] = rows
         if dense:  # the decode kernel's form: one zero-padded [S, Hq, W] buffer
-            batch.step_scores[f] = batch.dense_scores(f)
-            del batch.scores[f]
+            padded = sparse.dense_scores(f)
+            del sparse.scores[f]
+            sparse.put_step_scores(f, padded, batch.view_lens[0])
     ref_batch = make_batch(kv, [(s, 7 - s, d) for s, d in enumerate(decode)])
-    ref_batch.scores = batch.row_scores()
+    ref_batch.sparse.scores = sparse.row_scores()
     q = torch.randn(len(contexts), HQ, D, generator=g)
+    m.begin_step(batch)
     for layer in range(layers):
         got = m.select_views(layer, q, batch)
         if layer in full:
@@ -78,6 +81,39 @@ def test_omnikv_batched_matches_per_row(seed, dense):
             ref = m.select_view(layer, i, q[i], ref_batch)
             check_row(subset, lens, i, ref, n)
             assert int(lens[i]) == (-1 if not decode[i] else min(n, budget))
+
+
+def test_omnikv_picks_last_one_step():
+    """A method keeps a step's picks on itself; begin_step starts the next step afresh, so
+    a later step (or a captured graph after its warm-up run) picks from its own scores."""
+    budget, layers, full = 4, 4, (0, 2)
+    c = EngineConfig.create(sparse_method="omnikv", decode_keep_tokens=budget, **NO_SINK)
+    c = c.replace(full_attention_layers=full)
+    kept = OmniKV(c, layers, HKV)
+    kv = SlotKV(layers, 128, 0)
+    for seq in range(2):
+        kv.grow(seq, 20)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, HQ, D, generator=g)
+
+    def batch(probs):  # the decode kernel's probabilities at the full layers
+        batch = make_batch(kv, [(0, 0, True), (1, 1, True)])
+        for f, p in zip(full, probs):
+            batch.sparse.put_step_scores(f, p, [20, 20])
+        return batch
+
+    for step in range(3):
+        probs = [torch.rand(2, HQ, 20, generator=g) for _ in full]
+        ours = batch(probs)
+        kept.begin_step(ours)
+        got = [kept.select_views(layer, q, ours) for layer in (1, 3)]
+        fresh = OmniKV(c, layers, HKV)  # no earlier step at all
+        theirs = batch(probs)
+        fresh.begin_step(theirs)
+        want = [fresh.select_views(layer, q, theirs) for layer in (1, 3)]
+        for (subset, lens), (ref, ref_lens) in zip(got, want):
+            assert lens.tolist() == ref_lens.tolist() == [budget, budget]
+            assert torch.equal(subset, ref), f"step {step}"
 
 
 # -- Quest ----------------------------------------------------------------------------------
@@ -112,15 +148,16 @@ def run_quest_steps(m: Quest, kv: SlotKV, schedule, q_seed: int, graph: bool = F
     """Per step: (rows of the batch, sequences that finish after it); compares every
     sparse layer's batched selection with select_view. Returns rows checked sparse.
 
-    `graph`: select_views sees what a captured decode graph gives it, no per-step host
-    flag from begin_step (which still runs on the host before each replay)."""
+    `graph`: select_views sees what a captured decode graph gives it: the flags of a
+    capture's begin_step, not this step's (begin_step still runs on the host before each
+    replay, for the pages)."""
     g = torch.Generator().manual_seed(q_seed)
     checked = 0
     for rows, finished in schedule:
         batch = make_batch(kv, rows)
         m.begin_step(batch)
         if graph:
-            batch.method_cache.clear()
+            m.begin_step(make_batch(kv, rows, capturing=True))
         q = torch.randn(len(rows), HQ, D, generator=g)
         for layer in range(kv.num_layers):
             got = m.select_views(layer, q, batch)
@@ -238,7 +275,6 @@ def test_engine_batched_path_equals_per_row_path(tiny_model_factory, method, mon
     batched = run()
     cls = type(LLM(model, **kwargs).engine.method)
     monkeypatch.setattr(cls, "select_views", SparseMethod.select_views)
-    monkeypatch.setattr(cls, "begin_step", SparseMethod.begin_step)
     assert run() == batched
 
 

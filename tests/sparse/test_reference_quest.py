@@ -7,8 +7,9 @@ sum_d max(q_d * max_d, q_d * min_d); each KV head reads the best pages that fit 
 `decode_keep_tokens` next to the partial tail page, which is always read. Layers below
 `quest_skip_layers`, prefill steps and contexts within the budget read everything.
 
-`Quest.select_view` is driven with a fake batch (`.steps`, `.kv`) over several decode
-steps, so its incremental page cache is exercised as the context crosses page bounds.
+`Quest.select_view` is driven with a fake batch (`.sparse.steps`, `.sparse.kv`) over
+several decode steps, so its incremental page cache is exercised as the context crosses
+page bounds.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class DenseKV:
     def keys(self, seq: int, layer: int, start: int = 0, end: int | None = None):
         self.reads.append((seq, layer, start, end))
         return self.k[(seq, layer)][: self.length[seq]][start:end]
+
+
+def fake_batch(steps: list[SeqStep], kv: DenseKV) -> SimpleNamespace:
+    """What select_view reads of a batch: its sparse step's records and KV access."""
+    return SimpleNamespace(sparse=SimpleNamespace(steps=steps, kv=kv))
 
 
 def ref_quest(q: torch.Tensor, keys: torch.Tensor, budget: int, size: int):
@@ -92,14 +98,14 @@ def test_quest_select_view_matches_reference_over_decode(seed, budget, size):
     kv = DenseKV(k, layers)
     kv.length = dict(prompts)
     # The prefill step reads everything.
-    prefill = SimpleNamespace(steps=[SeqStep(0, 0, 0, 50, 50)], kv=kv)
+    prefill = fake_batch([SeqStep(0, 0, 0, 50, 50)], kv)
     assert m.select_view(2, 0, torch.randn(HQ, D, generator=g), prefill) is None
     checked = 0
     for t in range(14):
         steps = [SeqStep(s, row, n + t, 1, n) for row, (s, n) in enumerate(prompts.items())]
         for s, n in prompts.items():
             kv.length[s] = n + t + 1  # the new token is resident (the view's last row)
-        batch = SimpleNamespace(steps=steps, kv=kv)
+        batch = fake_batch(steps, kv)
         for row, st in enumerate(steps):
             for layer in range(layers):
                 q = torch.randn(HQ, D, generator=g)
@@ -131,7 +137,7 @@ def test_quest_heads_choose_their_own_pages():
     m = quest(budget=12, size=4, skip=0, layers=1)
     kv = DenseKV(k, 1)
     kv.length = {0: 40}
-    batch = SimpleNamespace(steps=[SeqStep(0, 0, 39, 1, 30)], kv=kv)
+    batch = fake_batch([SeqStep(0, 0, 39, 1, 30)], kv)
     q = torch.randn(HQ, D, generator=g)
     got = m.select_view(0, 0, q, batch)
     ref, _ = ref_quest(q, k[(0, 0)][:39], 12, 4)
@@ -147,7 +153,7 @@ def test_quest_tail_alone_when_no_full_page_fits():
     m = quest(budget=10, size=8, skip=0, layers=1)
     kv = DenseKV(k, 1)
     kv.length = {0: 30}  # context 29 = 3 pages + 5
-    batch = SimpleNamespace(steps=[SeqStep(0, 0, 29, 1, 20)], kv=kv)
+    batch = fake_batch([SeqStep(0, 0, 29, 1, 20)], kv)
     got = m.select_view(0, 0, torch.randn(HQ, D, generator=g), batch)
     assert got.tolist() == [list(range(24, 29))] * HKV
     m.release(0)

@@ -285,10 +285,9 @@ def test_omnikv_pick_matches_reference(seed):
 
 
 def _omnikv_step(m: OmniKV, layers: int, scores: dict, score_rows: list[int], q: torch.Tensor):
-    """One decode step as the runner runs it: a fresh batch object, dropped at the end."""
-    batch = SimpleNamespace(
-        score_rows=score_rows, scores=scores, num_seqs=len(score_rows), method_cache={}
-    )
+    """One decode step as the runner runs it: begin_step, then every layer."""
+    batch = SimpleNamespace(sparse=SimpleNamespace(score_rows=score_rows, scores=scores))
+    m.begin_step(batch)
     out = {}
     for layer in range(layers):
         for row in range(len(score_rows)):
@@ -326,8 +325,9 @@ def test_omnikv_select_view_uses_nearest_full_layer_below(full_layers, layers, f
 
 
 def test_omnikv_select_view_follows_each_decode_steps_scores():
-    """Successive decode steps, each with a fresh batch object that is dropped after the
-    step (as `ModelRunner.execute` does): every step's picks come from its own scores."""
+    """Successive decode steps, each begun with begin_step (as `ModelRunner.launch` and
+    the decode-graph capture do): every step's picks come from its own scores, never
+    from an earlier step's."""
     torch.manual_seed(1)
     layers, budget, full = 8, 10, [0, 3, 5]
     c = cfg("omnikv", decode_keep_tokens=budget, sink_keep_tokens=0, recent_keep_tokens=0)

@@ -9,26 +9,21 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
-from sparsevllm.attention.scratch import StepScratch
-
-if TYPE_CHECKING:
-    # Type-only: attention carries the sparse layer's step records and KV access to the
-    # method's select_views without reading them (import-linter skips these imports).
-    from sparsevllm.sparse.base import KVAccess, SeqStep
+from sparsevllm.attention.sparse_step import SparseStep
 
 
 @dataclass
 class ForwardBatch:
-    """Everything one model forward needs to know about the step's batch.
+    """The attention metadata of one model forward: what the kernels and a captured
+    decode graph read, and the few host lists the backends loop over.
 
     Tokens of all scheduled sequences are flattened: sequence i owns query rows
-    `q_starts[i] : q_starts[i] + q_lens[i]`.
+    `q_starts[i] : q_starts[i] + q_lens[i]`. The sparse method's requests and results
+    of the step are `sparse` (attention/sparse_step.py).
     """
 
     positions: torch.Tensor  # [T] logical positions (RoPE)
@@ -45,27 +40,11 @@ class ForwardBatch:
     rows_t: torch.Tensor  # [S] int32
     view_lens_t: torch.Tensor  # [G, S] int32
     q_starts_t: torch.Tensor  # [S + 1] int32
-    # Per sequence: a generation step (SeqStep.is_decode) and its score_rows, on device.
-    decode_t: torch.Tensor  # [S] bool
-    score_rows_t: torch.Tensor  # [S] int32
-    # The runner's KV operations, read-only context for select_views.
-    kv: KVAccess
-    # Sparse-method requests (see sparse/base.py). score_rows[i] > 0 asks for the summed
-    # attention probabilities of sequence i's last score_rows[i] queries over its view, at
-    # score_layers (None: every layer): per row in scores[layer][i] as [num_heads, L_i], or,
-    # from the decode kernel, for the whole batch in step_scores[layer] as [S, num_heads, W]
-    # (W >= every view length; zero past a row's view). Read them through `row_scores` /
-    # `dense_scores`, which accept either form.
-    score_rows: list[int] = field(default_factory=list)
-    score_layers: frozenset[int] | None = None
-    scores: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
-    step_scores: dict[int, torch.Tensor] = field(default_factory=dict)
-    # The method's batched decode views (`SelectViews`, below); None: every view whole.
-    select_views: SelectViews | None = None
-    # Read-only context for select_views: the methods' per-sequence step records.
-    steps: list[SeqStep] = field(default_factory=list)
-    # Scratch space for a method's per-step results (lives exactly as long as the step).
-    method_cache: StepScratch = field(default_factory=StepScratch)
+    sparse: SparseStep
+    # single_query_rows, uploaded on first use in the step.
+    _single_query_rows: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, init=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -83,54 +62,17 @@ class ForwardBatch:
         """Slot ids of sequence i's view in a layer group: `[L_i]` int64."""
         return self.tables[group, self.rows[i], : self.view_lens[group][i]].long()
 
-    def wants_scores(self, layer: int, i: int) -> int:
-        if not self.score_rows or not self.score_rows[i]:
-            return 0
-        if self.score_layers is not None and layer not in self.score_layers:
-            return 0
-        return self.score_rows[i]
-
-    def put_scores(self, layer: int, i: int, value: torch.Tensor) -> None:
-        self.scores.setdefault(layer, [None] * self.num_seqs)[i] = value
-
-    def put_step_scores(self, layer: int, value: torch.Tensor) -> None:
-        """The decode kernel's probabilities of every sequence: `[S, num_heads, W]`."""
-        self.step_scores[layer] = value
-
-    def row_scores(self) -> dict[int, list[torch.Tensor | None]]:
-        """`[layer][i]` -> `[num_heads, L_i]` where requested (None elsewhere): what
-        `SparseMethod.after_step` receives. Rows of step_scores are views, valid for the
-        step only (a method that keeps them must copy)."""
-        out = {layer: list(rows) for layer, rows in self.scores.items()}
-        for layer, dense in self.step_scores.items():
-            rows = out.setdefault(layer, [None] * self.num_seqs)
-            group = self.group_of_layer[layer]
-            for i in range(self.num_seqs):
-                if self.wants_scores(layer, i):
-                    rows[i] = dense[i, :, : self.view_lens[group][i]]
-        return out
-
-    def dense_scores(self, layer: int) -> torch.Tensor:
-        """`[S, num_heads, W]` probabilities at a score layer, zero past each row's view
-        and for rows that did not ask (per-row scores are padded and stacked)."""
-        if layer in self.step_scores:
-            return self.step_scores[layer]
-        rows = self.scores[layer]
-        ref = next(r for r in rows if r is not None)
-        width = max(r.shape[-1] for r in rows if r is not None)
-        out = ref.new_zeros((self.num_seqs, ref.shape[0], width), dtype=torch.float32)
-        for i, r in enumerate(rows):
-            if r is not None:
-                out[i, :, : r.shape[-1]] = r
-        return out
-
-
-# select_views(layer, q [S, num_heads, head_dim], batch) -> (subset [S, Hkv, B] int32,
-# lens [S] int32) context positions each sequence's single query reads, or None for the
-# whole views (the contract is SparseMethod.select_views).
-SelectViews: TypeAlias = Callable[
-    [int, torch.Tensor, ForwardBatch], tuple[torch.Tensor, torch.Tensor] | None
-]
+    def single_query_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's last query row `[S]` and the sequences with a single new query
+        `[R]`, on `device` (one upload per step, however many layers ask)."""
+        if self._single_query_rows is None:
+            last = [start + n - 1 for start, n in zip(self.q_starts, self.q_lens)]
+            ones = [i for i, n in enumerate(self.q_lens) if n == 1]
+            self._single_query_rows = (
+                torch.tensor(last, device=device),
+                torch.tensor(ones, device=device),
+            )
+        return self._single_query_rows
 
 
 class AttentionBackend(abc.ABC):

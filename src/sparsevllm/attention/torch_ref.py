@@ -34,7 +34,7 @@ class TorchRefBackend(AttentionBackend):
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
             view = batch.view(group, i)
             # Sparse methods leave sliding-window layers alone: no scores, no selection.
-            rows = batch.wants_scores(layer, i) if window is None else 0
+            rows = batch.sparse.wants_scores(layer, i) if window is None else 0
             if window is not None:
                 # Nothing older than the first query's window is read: skip gathering it.
                 view = view[-(n - 1 + window) :]
@@ -50,7 +50,7 @@ class TorchRefBackend(AttentionBackend):
             if rows:
                 if selected is not None:
                     raise RuntimeError("scores over a selected view are not supported")
-                batch.put_scores(layer, i, attention_mass(q_i[-rows:], k_i, scale, window))
+                batch.sparse.put_scores(layer, i, attention_mass(q_i[-rows:], k_i, scale, window))
         return out
 
 
@@ -59,11 +59,12 @@ def _selection(
 ) -> tuple[torch.Tensor, list[int]] | None:
     """The method's batched selection for the sequences with a single new query (their
     last query stands for all: rows with more queries ignore it); lens on the host."""
-    if batch.select_views is None or 1 not in batch.q_lens:
+    select_views = batch.sparse.select_views
+    if select_views is None or 1 not in batch.q_lens:
         return None
     last = [start + n - 1 for start, n in zip(batch.q_starts, batch.q_lens)]
     q_last = q[torch.tensor(last, device=q.device)]  # [S, Hq, D]
-    picked = batch.select_views(layer, q_last, batch)
+    picked = select_views(layer, q_last, batch)
     if picked is None:
         return None
     subset, lens = picked

@@ -15,17 +15,11 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
-from sparsevllm.attention.scratch import ScratchKey
 from sparsevllm.attention.triton import (
     decode_attention,
     prefill_attention,
     store_kv,
     window_attention_mass,
-)
-
-# Per step: each row's last query row [S] and the rows with one new query [R], on device.
-_SINGLE_QUERY_ROWS: ScratchKey[tuple[torch.Tensor, torch.Tensor]] = ScratchKey(
-    "triton_backend.single_query_rows"
 )
 
 
@@ -63,10 +57,10 @@ class TritonBackend(AttentionBackend):
             max_q_len=max(batch.q_lens),
             window=window,
         )
-        if window is None and batch.select_views is not None and 1 in batch.q_lens:
+        if window is None and batch.sparse.select_views is not None and 1 in batch.q_lens:
             self._single_query_views(layer, q, batch, scale, out)
         for i in range(batch.num_seqs if window is None else 0):
-            rows = batch.wants_scores(layer, i)
+            rows = batch.sparse.wants_scores(layer, i)
             if rows:
                 start, n = batch.q_starts[i], batch.q_lens[i]
                 q_i = q[start : start + n][-rows:]
@@ -76,7 +70,7 @@ class TritonBackend(AttentionBackend):
                 mass = window_attention_mass(
                     q_i, k_cache, view_slots, batch.view_lens[group][i], scale
                 )
-                batch.put_scores(layer, i, mass)
+                batch.sparse.put_scores(layer, i, mass)
         return out
 
     def _decode(
@@ -95,10 +89,11 @@ class TritonBackend(AttentionBackend):
         subset = subset_lens = None
         want = [0] * batch.num_seqs
         if window is None:
-            if batch.select_views is not None:
+            select_views = batch.sparse.select_views
+            if select_views is not None:
                 # One batched call per layer: [S, Hkv, B] positions and [S] counts.
-                subset, subset_lens = batch.select_views(layer, q, batch) or (None, None)
-            want = [batch.wants_scores(layer, i) for i in range(batch.num_seqs)]
+                subset, subset_lens = select_views(layer, q, batch) or (None, None)
+            want = [batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs)]
         scores = None
         if any(want):
             # Probabilities over the table width [S, Hq, width]: narrow the table to the
@@ -136,18 +131,12 @@ class TritonBackend(AttentionBackend):
         """In a batch with prefill chunks, the sequences with a single new query (decoding
         ones) read the method's view, as in a decode-only step: the decode kernel
         recomputes their rows over the subset and overwrites the dense result."""
-        if batch.select_views is None:
+        select_views = batch.sparse.select_views
+        if select_views is None:
             return
-        if _SINGLE_QUERY_ROWS not in batch.method_cache:  # once per step: host -> device
-            last = [start + n - 1 for start, n in zip(batch.q_starts, batch.q_lens)]
-            ones = [i for i, n in enumerate(batch.q_lens) if n == 1]
-            batch.method_cache[_SINGLE_QUERY_ROWS] = (
-                torch.tensor(last, device=q.device),
-                torch.tensor(ones, device=q.device),
-            )
-        last_t, ones_t = batch.method_cache[_SINGLE_QUERY_ROWS]  # [S], [R]
+        last_t, ones_t = batch.single_query_rows(q.device)  # [S], [R]
         q_last = q[last_t]  # [S, Hq, D]
-        picked = batch.select_views(layer, q_last, batch)
+        picked = select_views(layer, q_last, batch)
         if picked is None:
             return
         subset, lens = picked  # [S, Hkv, B], [S] (-1: the whole view)
@@ -176,10 +165,11 @@ class TritonBackend(AttentionBackend):
         asked (OmniKV, H2O, TOVA), the buffer is kept whole for the step (read batched or
         as row views); when few did (a prompt ending in a decode batch), only their rows
         are copied, so a large batch does not hold one whole buffer per layer."""
-        if 2 * sum(1 for w in want if w) >= len(want):
-            batch.put_step_scores(layer, scores)
-            return
         group = batch.group_of_layer[layer]
+        if 2 * sum(1 for w in want if w) >= len(want):
+            batch.sparse.put_step_scores(layer, scores, batch.view_lens[group])
+            return
         for i, w in enumerate(want):
             if w:
-                batch.put_scores(layer, i, scores[i, :, : batch.view_lens[group][i]].clone())
+                view = scores[i, :, : batch.view_lens[group][i]]
+                batch.sparse.put_scores(layer, i, view.clone())

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch
-from sparsevllm.sparse.base import SeqStep
+from sparsevllm.attention.sparse_step import SparseStep
+from sparsevllm.sparse.spec import DecodeViews
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -59,12 +60,12 @@ class DecodeGraphs:
         r = self.runner
         groups = r.pool.num_groups
         method = r.method
-        in_graph = method.graph_decode_views
+        in_graph = method.decode_views is DecodeViews.GRAPH
         # Decode rows' score requests (OmniKV's full layers): asked for every row, the
         # device copy says which rows really want them.
-        want = method.score_rows(SeqStep(-1, 0, 1, 1, 1)) if in_graph else 0
+        want = method.decode_score_rows() if in_graph else 0
         width = r.tables.table.shape[2]
-        return ForwardBatch(
+        batch = ForwardBatch(
             positions=self.positions[:size],
             q_starts=list(range(size)),
             q_lens=[1] * size,
@@ -80,20 +81,27 @@ class DecodeGraphs:
             rows_t=self.rows[:size],
             view_lens_t=self.view_lens[:, :size],
             q_starts_t=torch.arange(size + 1, dtype=torch.int32, device=r.device),
-            decode_t=self.decode[:size],
-            score_rows_t=self.score_rows[:size],
-            score_rows=[want] * size,
-            score_layers=method.score_layers,
-            # Methods whose decode views are graph-safe compute them inside the graph.
-            select_views=method.select_views if in_graph else None,
-            kv=r.kv,
+            sparse=SparseStep(
+                score_rows=[want] * size,
+                score_rows_t=self.score_rows[:size],
+                decode_t=self.decode[:size],
+                kv=r.kv,
+                score_layers=method.score_layers,
+                # Methods whose decode views are graph-safe compute them inside the graph.
+                select_views=method.select_views if in_graph else None,
+                capturing=True,
+            ),
         )
+        # As before every eager step: the method drops its previous step's results (a
+        # warm-up run's must not be replayed by the captured graph).
+        method.begin_step(batch)
+        return batch
 
     @torch.inference_mode()
     def capture(self) -> None:
         r = self.runner
         model = r.model
-        if r.method.graph_decode_views:
+        if r.method.decode_views is DecodeViews.GRAPH:
             r.method.prepare_graph_capture(r.kv, *r.tables.table.shape[1:])
         self.epoch = r.method.graph_epoch
         self.graphs.clear()
@@ -101,9 +109,10 @@ class DecodeGraphs:
         for size in reversed(self.buckets):  # largest first: smaller ones reuse its pool
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            # A fresh batch per forward, as in eager steps: a method's per-step results
-            # (batch.method_cache, kept scores) from a warm-up run must not be reused by
-            # the captured one, or the graph would replay those stale tensors.
+            # A fresh batch per forward, begun like an eager step's: a method's per-step
+            # results (kept on the method, or scores on the batch) from a warm-up run
+            # must not be reused by the captured one, or the graph would replay those
+            # stale tensors.
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile Triton kernels outside the capture
                     model.compute_logits(model(self.ids[:size], self._static_batch(size)))
@@ -135,10 +144,9 @@ class DecodeGraphs:
         self.slot_mapping[:, :s].copy_(batch.slot_mapping)
         self.rows[:s].copy_(batch.rows_t)
         self.view_lens[:, :s].copy_(batch.view_lens_t)
-        if batch.decode_t is not None:  # a prompt's 1-token last chunk is not a decode row
-            self.decode[:s].copy_(batch.decode_t)
-        if batch.score_rows_t is not None:
-            self.score_rows[:s].copy_(batch.score_rows_t)
+        # A prompt's 1-token last chunk is not a decode row.
+        self.decode[:s].copy_(batch.sparse.decode_t)
+        self.score_rows[:s].copy_(batch.sparse.score_rows_t)
         if size > s:
             self.ids[s:size].zero_()
             self.positions[s:size].zero_()

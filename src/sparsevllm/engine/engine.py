@@ -10,10 +10,11 @@ import torch
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.cache.store import NO_CLAIM, PruneResult, store_stats
 from sparsevllm.engine.capacity import CapacityPlan, resolve_max_model_len
+from sparsevllm.engine.devices import resolve_device
 from sparsevllm.engine.kv_pool import KVPool, shuffle_seed
 from sparsevllm.engine.output_processor import OutputProcessor
 from sparsevllm.engine.prune import prune_cache
-from sparsevllm.engine.runner import ModelRunner, resolve_device
+from sparsevllm.engine.runner import ModelRunner
 from sparsevllm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from sparsevllm.engine.sequence import Sequence
 from sparsevllm.engine.slot_rows import SlotRows

@@ -5,15 +5,16 @@ from __future__ import annotations
 import gc
 import logging
 from itertools import chain
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
-import numpy as np
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch, default_backend_name, get_backend_class
+from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.capacity import CapacityPlan
 from sparsevllm.engine.cuda_graph import DecodeGraphs
+from sparsevllm.engine.devices import kv_zeros, resolve_device, resolve_dtype
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool, WindowGroup
 from sparsevllm.engine.slot_rows import SlotRows
@@ -24,37 +25,10 @@ from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model
 from sparsevllm.sparse.base import SeqStep
 from sparsevllm.sparse.registry import create_method
+from sparsevllm.sparse.spec import DecodeViews
 from sparsevllm.upload import upload
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV tensor. On the CPU its memory comes from numpy's calloc, whose
-    pages the OS maps zeroed on first touch: torch.zeros would write the whole pool at
-    start (a second per GiB here) although a request touches only the slots it uses."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    # Same-size integer storage, reinterpreted: all-zero bits are 0.0 in every float dtype.
-    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
-    return torch.from_numpy(np.zeros(shape, dtype=bits)).view(dtype)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class CausalLM(Protocol):
@@ -260,7 +234,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, batch)  # [T, hidden]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
-        self.method.after_step(steps, batch.row_scores(), batch.kv)
+        self.method.after_step(steps, batch.sparse.row_scores(), batch.sparse.kv)
         self._trim_windows(steps)
         if not plan.sample_rows:
             return None
@@ -289,13 +263,17 @@ class ModelRunner:
 
     def _use_graph(self, batch: ForwardBatch) -> bool:
         """Replay a captured graph when nothing in the step needs the host mid-forward."""
+        views = self.method.decode_views
         return (
             self.graphs is not None
             and batch.decode_only
             and self.graphs.fits(batch.num_seqs)
-            # Graph-safe decode views: their score requests are served inside the graph.
-            and (not any(batch.score_rows) or self.method.graph_decode_views)
-            and (not self.method.uses_decode_view or self.method.graph_decode_views)
+            # Graph-computed decode views serve their score requests inside the graph;
+            # otherwise scores are read on the host, after the forward.
+            and (
+                views is DecodeViews.GRAPH
+                or (views is DecodeViews.NONE and not any(batch.sparse.score_rows))
+            )
         )
 
     def bind_pool(self, pool: KVPool, rows: SlotRows) -> None:
@@ -311,59 +289,85 @@ class ModelRunner:
             self.graphs = graphs
 
     def _prepare(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor, list[SeqStep]]:
+        """The step's ForwardBatch (after its slot-table writes), input ids and steps."""
         steps = [
             SeqStep(*fields)
             for fields in zip(
                 plan.seq_ids, range(plan.num_seqs), plan.starts, plan.num_new, plan.num_prompt
             )
         ]
-        positions = list(
-            chain.from_iterable(range(a, a + n) for a, n in zip(plan.starts, plan.num_new))
-        )
-        logits_rows = [plan.q_starts[i + 1] - 1 for i in plan.sample_rows]
         score_rows = [self.method.score_rows(st) for st in steps]
-        decode = [int(st.is_decode) for st in steps]
-        # One host-to-device copy for all per-step integers, split on the device.
-        parts = [plan.input_ids, positions, logits_rows, plan.rows, plan.q_starts, score_rows]
-        parts += [decode, plan.slots, plan.flat_lens]
-        packed = upload(list(chain.from_iterable(parts)), torch.long, self.device)
-        t_ids, t_pos, t_logits, t_rows, t_qs, t_score_rows, t_decode, t_slots, t_lens = torch.split(
-            packed, [len(p) for p in parts]
-        )
-        groups, num_seqs = self.pool.num_groups, plan.num_seqs
-        if plan.seq_major:  # [S, G] -> [G, S]
-            slot_mapping = t_slots.view(num_seqs, groups).t().contiguous()
-            view_lens_t = t_lens.view(num_seqs, groups).t().contiguous().int()
-        else:
-            slot_mapping = t_slots.view(groups, plan.num_tokens)  # [G, T]
-            view_lens_t = t_lens.view(groups, num_seqs).int()  # [G, S]
-        rows_t = t_rows.int()
+        t = self._upload(plan, score_rows, [int(st.is_decode) for st in steps])
         self.tables.apply(plan.writes)
         if plan.writes.deferred:  # the entries left to the device
-            self.tables.write_new(
-                rows_t, view_lens_t, slot_mapping, None if plan.seq_major else t_qs
-            )
+            q_starts = None if plan.seq_major else t.q_starts
+            self.tables.write_new(t.rows, t.view_lens, t.slot_mapping, q_starts)
         batch = ForwardBatch(
-            positions=t_pos,
+            positions=t.positions,
             q_starts=plan.q_starts[:-1],
             q_lens=plan.num_new,
-            slot_mapping=slot_mapping,
+            slot_mapping=t.slot_mapping,
             tables=self.tables.table,
             rows=plan.rows,
             view_lens=plan.view_lens,
             group_of_layer=self.pool.group_of_layer,
-            logits_indices=t_logits,
+            logits_indices=t.logits_indices,
             backend=self.backend,
-            rows_t=rows_t,
-            view_lens_t=view_lens_t,
-            q_starts_t=t_qs.int(),
-            decode_t=t_decode.bool(),
-            score_rows_t=t_score_rows.int(),
-            score_rows=score_rows,
-            score_layers=self.method.score_layers,
-            select_views=self.method.select_views,
-            steps=steps,
-            kv=self.kv,
+            rows_t=t.rows,
+            view_lens_t=t.view_lens,
+            q_starts_t=t.q_starts,
+            sparse=SparseStep(
+                score_rows=score_rows,
+                score_rows_t=t.score_rows,
+                decode_t=t.decode,
+                kv=self.kv,
+                steps=steps,
+                score_layers=self.method.score_layers,
+                select_views=self.method.select_views,
+            ),
         )
         self.method.begin_step(batch)
-        return batch, t_ids, steps
+        return batch, t.input_ids, steps
+
+    def _upload(self, plan: StepPlan, score_rows: list[int], decode: list[int]) -> _StepTensors:
+        """Every per-step integer in one host-to-device copy, split on the device."""
+        positions = chain.from_iterable(range(a, a + n) for a, n in zip(plan.starts, plan.num_new))
+        logits_rows = [plan.q_starts[i + 1] - 1 for i in plan.sample_rows]
+        parts = [plan.input_ids, list(positions), logits_rows, plan.rows, plan.q_starts]
+        parts += [score_rows, decode, plan.slots, plan.flat_lens]
+        packed = upload(list(chain.from_iterable(parts)), torch.long, self.device)
+        ids, pos, logits, rows, q_starts, scores, dec, slots, lens = torch.split(
+            packed, [len(p) for p in parts]
+        )
+        groups, num_seqs = self.pool.num_groups, plan.num_seqs
+        if plan.seq_major:  # [S, G] -> [G, S]
+            slot_mapping = slots.view(num_seqs, groups).t().contiguous()
+            view_lens = lens.view(num_seqs, groups).t().contiguous().int()
+        else:
+            slot_mapping = slots.view(groups, plan.num_tokens)  # [G, T]
+            view_lens = lens.view(groups, num_seqs).int()  # [G, S]
+        return _StepTensors(
+            ids,
+            pos,
+            logits,
+            rows.int(),
+            q_starts.int(),
+            scores.int(),
+            dec.bool(),
+            slot_mapping,
+            view_lens,
+        )
+
+
+class _StepTensors(NamedTuple):
+    """A step plan's integers on the device."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    logits_indices: torch.Tensor  # [num sampling rows]
+    rows: torch.Tensor  # [S] int32
+    q_starts: torch.Tensor  # [S + 1] int32
+    score_rows: torch.Tensor  # [S] int32
+    decode: torch.Tensor  # [S] bool
+    slot_mapping: torch.Tensor  # [G, T]
+    view_lens: torch.Tensor  # [G, S] int32

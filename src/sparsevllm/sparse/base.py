@@ -9,10 +9,15 @@ The host (runner, scheduler) asks a method what it needs and never which method 
   group; per-layer or per-head eviction: one group per layer).
 - `max_resident`: worst-case resident slots per layer of a request, for admission.
 - `score_rows`: how many of a sequence's newest query rows should report their
-  attention probabilities this step (observation windows, H2O, TOVA, OmniKV).
-- `begin_step`: host-side upkeep before the forward (device state that the selection
+  attention probabilities this step (observation windows, H2O, TOVA, OmniKV): a method
+  answers `decode_score_rows` for a decode row (one generated token; the same answer
+  serves every row of a captured decode graph) and `prefill_score_rows` otherwise.
+- `begin_step`: before every forward, captured ones included: drop the previous step's
+  results kept on the method, and do host-side upkeep (device state that the selection
   reads, e.g. Quest's page bounds); the only place a method may look at host data of
   the step before attention runs.
+- `decode_views`: whether `select_views` narrows decode reads, and whether it can run
+  inside a captured decode graph (`DecodeViews`: none, eager, graph).
 - `select_views`: per layer, one batched call for the whole step: the logical subset of
   its view each sequence's single query reads (OmniKV, Quest), as `subset [S, Hkv, B]`
   int32 context positions (the view minus the new token, ascending per KV head; the new
@@ -35,17 +40,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, TypeAlias
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeAlias, final
 
 import torch
 
 from sparsevllm.sparse.registry import method_spec
-from sparsevllm.sparse.spec import MethodKnobs, SettingValue
+from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, SettingValue
 
 if TYPE_CHECKING:
     from sparsevllm.attention.backend import ForwardBatch
 
-# What `after_step` receives (`ForwardBatch.row_scores`): `scores[layer][row]` is the
+# What `after_step` receives (`SparseStep.row_scores`): `scores[layer][row]` is the
 # `[num_heads, L]` summed attention probabilities of the row's requested queries over its
 # view, None where none were requested.
 RowScores: TypeAlias = dict[int, list[torch.Tensor | None]]
@@ -146,16 +151,11 @@ class SparseMethod:
 
     name: ClassVar[str] = ""
     per_layer_groups: ClassVar[bool] = False
-    # True when select_view(s) may narrow what a decode query reads. The host then runs
-    # the decode step eagerly, outside a CUDA graph, unless graph_decode_views is set too:
-    # select_views reads only device tensors of fixed shapes (allocated by
-    # prepare_graph_capture, replaced only with a new graph_epoch) plus the batch's
-    # rows_t / view_lens_t / decode_t, never host lists, so a captured decode graph can
-    # compute the views itself.
-    uses_decode_view: ClassVar[bool] = False
-    graph_decode_views: ClassVar[bool] = False
+    # Whether select_view(s) narrows what a decode query reads, and whether a captured
+    # decode graph can compute it (see DecodeViews): the host's one question about it.
+    decode_views: ClassVar[DecodeViews] = DecodeViews.NONE
     # True when after_step may change a view after a decode step (eviction while
-    # decoding): the engine then never schedules a step ahead (engine/overlap.py).
+    # decoding): the engine then never schedules a step ahead (engine/step_loop.py).
     evicts_during_decode: ClassVar[bool] = False
     score_layers: frozenset[int] | None = None  # None: every layer reports scores
 
@@ -207,14 +207,34 @@ class SparseMethod:
         return {**shared, **self.knobs.values()}
 
     # -- forward hooks ----------------------------------------------------------------
+    @final
     def score_rows(self, step: SeqStep) -> int:
+        """How many of the step's newest queries report their attention probabilities
+        (what the host asks; a method answers the two questions below, so that a decode
+        row asks the same in an eager step as in a captured decode graph)."""
+        if step.is_decode and step.num_new == 1:
+            return self.decode_score_rows()
+        return self.prefill_score_rows(step)
+
+    def decode_score_rows(self) -> int:
+        """Score rows a decode row (one generated token) asks for. Asked for every decode
+        row of an eager step, and once for all rows of a captured decode graph."""
+        return 0
+
+    def prefill_score_rows(self, step: SeqStep) -> int:
+        """Score rows of any other step: a prompt chunk, or a chunk that computes prompt
+        and outputs again after a preemption."""
         return 0
 
     def begin_step(self, batch: ForwardBatch) -> None:
-        """Before the forward (host side): prepare what `select_views` reads."""
+        """Before every forward (host side), captured ones included: drop the previous
+        step's results the method keeps (a captured graph must compute its own, never
+        replay a warm-up run's), and prepare what `select_views` reads. In a capture
+        (`batch.sparse.capturing`) the rows are padding standing for every later decode
+        step: nothing may be decided from their host lists."""
 
     def prepare_graph_capture(self, kv: KVAccess, num_rows: int, max_len: int) -> None:
-        """Before decode graphs are captured (graph_decode_views methods): allocate, at
+        """Before decode graphs are captured (DecodeViews.GRAPH methods): allocate, at
         their final shapes, the device tensors select_views reads; a graph keeps their
         addresses. `num_rows` x `max_len` is the slot tables' shape."""
 

@@ -64,8 +64,11 @@ class H2O(ScoreEviction):
     def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
         return min(prompt_len + max_tokens, self.budget + self.interval)
 
-    def score_rows(self, step: SeqStep) -> int:
-        return step.num_new
+    def decode_score_rows(self) -> int:
+        return 1
+
+    def prefill_score_rows(self, step: SeqStep) -> int:
+        return step.num_new  # every query votes
 
     def may_compress(self, step: SeqStep) -> bool:
         return True  # also evicts during decode, every `interval` tokens

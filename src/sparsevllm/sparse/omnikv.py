@@ -18,18 +18,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparsevllm.attention.scratch import ScratchKey
 from sparsevllm.sparse.base import MethodSettings, SeqStep, SparseMethod
-from sparsevllm.sparse.spec import MethodKnobs, MethodSpec, knob
+from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, MethodSpec, knob
 
 if TYPE_CHECKING:
     from sparsevllm.attention.backend import ForwardBatch
 
 DEFAULT_FULL_LAYER_STRIDE = 8
-# Per-step picks of a full layer, which serve every layer up to the next full one: the
-# batch's (positions [S, B], lens [S]) and, on the reference path, one row's.
-_PICKS: ScratchKey[tuple[torch.Tensor, torch.Tensor]] = ScratchKey("omnikv.picks")
-_ROW_PICK: ScratchKey[torch.Tensor | None] = ScratchKey("omnikv.row_pick")
 
 
 @dataclass(frozen=True)
@@ -47,8 +42,7 @@ class OmniKV(SparseMethod):
     # The picks read the full layers' decode probabilities inside the decode graph too
     # (there the buffer spans the table width); each is dropped once its picks exist, so
     # one full layer's buffer is alive at a time. after_step reads no scores.
-    uses_decode_view = True
-    graph_decode_views = True
+    decode_views = DecodeViews.GRAPH
     score_layers: frozenset[int]  # the full layers (set in __init__)
 
     def __init__(
@@ -73,44 +67,59 @@ class OmniKV(SparseMethod):
             )
         self.full_layers = tuple(layers)
         self.score_layers = frozenset(layers)
+        # This step's picks of each full layer, which serve every layer up to the next
+        # full one (reset in begin_step): the batch's (positions [S, B], lens [S]) by
+        # full layer and, on the reference path, one row's by (full layer, row).
+        self._picks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._row_picks: dict[tuple[int, int], torch.Tensor | None] = {}
 
-    def score_rows(self, step: SeqStep) -> int:
-        return 1 if step.is_decode else 0
+    def decode_score_rows(self) -> int:
+        return 1
+
+    def prefill_score_rows(self, step: SeqStep) -> int:
+        return 1 if step.is_decode else 0  # outputs computed again after a preemption
+
+    def begin_step(self, batch: ForwardBatch) -> None:
+        self._picks.clear()
+        self._row_picks.clear()
+
+    def free_device_memory(self) -> None:
+        self._picks.clear()
+        self._row_picks.clear()
 
     def select_view(
         self, layer: int, row: int, q: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor | None:
-        if layer in self.score_layers or not batch.score_rows[row]:
+        if layer in self.score_layers or not batch.sparse.score_rows[row]:
             return None
         source = max(f for f in self.full_layers if f < layer)
-        key = _ROW_PICK.at(source, row)  # per step: a full layer's pick serves its followers
-        if key not in batch.method_cache:
-            attn = batch.scores[source][row]  # [num_heads, L]; the last column is the query
+        key = (source, row)  # per step: a full layer's pick serves its followers
+        if key not in self._row_picks:
+            attn = batch.sparse.scores[source][row]  # [num_heads, L]; last column: the query
             if attn is None:
                 raise RuntimeError(f"OmniKV: full layer {source} reported no scores")
-            batch.method_cache[key] = omnikv_pick(attn, self.config.decode_keep_tokens)
-        return batch.method_cache[key]
+            self._row_picks[key] = omnikv_pick(attn, self.config.decode_keep_tokens)
+        return self._row_picks[key]
 
     def select_views(
         self, layer: int, q: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Host lists only: a step where nobody decodes (or a full layer) reads everything.
-        if layer in self.score_layers or not any(batch.score_rows):
+        sparse = batch.sparse
+        if layer in self.score_layers or not any(sparse.score_rows):
             return None
         source = max(f for f in self.full_layers if f < layer)
-        key = _PICKS.at(source)  # the picks of a full layer serve all its followers
-        if key not in batch.method_cache:
+        if source not in self._picks:  # the picks of a full layer serve all its followers
             context = batch.view_lens_t[batch.group_of_layer[source]] - 1  # [S]
-            batch.method_cache[key] = omnikv_picks(
-                batch.dense_scores(source),
+            self._picks[source] = omnikv_picks(
+                sparse.dense_scores(source),
                 context,
-                batch.score_rows_t,
+                sparse.score_rows_t,
                 self.config.decode_keep_tokens,
             )
             # The picks are all that is needed of them: free the probabilities now.
-            batch.step_scores.pop(source, None)
-            batch.scores.pop(source, None)
-        positions, lens = batch.method_cache[key]  # [S, B], [S]
+            sparse.drop_scores(source)
+        positions, lens = self._picks[source]  # [S, B], [S]
         # Every KV head reads the same tokens: a stride-0 head axis, no copy.
         return positions.unsqueeze(1).expand(-1, self.num_kv_heads, -1), lens
 

@@ -24,16 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparsevllm.attention.scratch import ScratchKey
 from sparsevllm.sparse.base import KVAccess, MethodSettings, SparseMethod
 from sparsevllm.sparse.quest_pages import QuestPages
-from sparsevllm.sparse.spec import MethodKnobs, MethodSpec, knob
+from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, MethodSpec, knob
 
 if TYPE_CHECKING:
     from sparsevllm.attention.backend import ForwardBatch
-
-# Per step (set by begin_step): some decode row of the step needs pages.
-_ACTIVE: ScratchKey[bool] = ScratchKey("quest.active")
 
 
 @dataclass(frozen=True)
@@ -47,8 +43,7 @@ class Quest(SparseMethod):
     knobs: QuestKnobs
     # select_views is sync-free with config/shape-sized outputs and reads the page pool
     # and table, allocated before capture; a pool that grows bumps graph_epoch.
-    uses_decode_view = True
-    graph_decode_views = True
+    decode_views = DecodeViews.GRAPH
 
     def __init__(
         self,
@@ -63,6 +58,9 @@ class Quest(SparseMethod):
         self._dense_layers = frozenset(self.layers[: self.knobs.quest_skip_layers])
         sparse = tuple(la for la in self.layers if la not in self._dense_layers)
         self.pages = QuestPages(sparse, self.knobs.quest_chunk_size) if sparse else None
+        # This step (set by begin_step): some decode row needs pages. A captured graph
+        # has no such host flag: it always selects.
+        self._active = True
 
     def state_bytes_per_slot(self, kv_bytes_per_layer_slot: int) -> float:
         # Per sparse layer a page of `size` slots keeps two key rows (min, max): the
@@ -71,20 +69,21 @@ class Quest(SparseMethod):
         return n * kv_bytes_per_layer_slot / self.knobs.quest_chunk_size
 
     def begin_step(self, batch: ForwardBatch) -> None:
-        if self.pages is None:
+        self._active = True
+        if self.pages is None or batch.sparse.capturing:
             return
         size, budget = self.knobs.quest_chunk_size, self.config.decode_keep_tokens
         group = batch.group_of_layer[self.pages.layers[0]]
         need: list[tuple[int, int, int]] = []  # (seq_id, table row, full pages) past budget
-        for i, step in enumerate(batch.steps):
+        for i, step in enumerate(batch.sparse.steps):
             context = batch.view_lens[group][i] - 1
             if step.is_decode and batch.q_lens[i] == 1 and context > budget:
                 need.append((step.seq_id, batch.rows[i], context // size))
-        batch.method_cache[_ACTIVE] = bool(need)
+        self._active = bool(need)
         if need:
             _, rows, max_len = batch.tables.shape
             shape = (rows, max_len // size)
-            self.pages.update(batch.kv, need, shape, batch.rows_t.device)
+            self.pages.update(batch.sparse.kv, need, shape, batch.rows_t.device)
 
     def prepare_graph_capture(self, kv: KVAccess, num_rows: int, max_len: int) -> None:
         if self.pages is not None:
@@ -98,9 +97,9 @@ class Quest(SparseMethod):
         self, layer: int, q: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Host flag from begin_step: a step with no row past the budget reads everything.
-        # A captured graph has no such flag and always selects (rows within the budget
-        # read their whole context either way).
-        if layer in self._dense_layers or not batch.method_cache.get(_ACTIVE, True):
+        # A captured graph always selects (rows within the budget read their whole
+        # context either way).
+        if layer in self._dense_layers or not self._active:
             return None
         pages = self.pages
         if pages is None or pages.table is None:  # no sparse layer, or no pages needed yet
@@ -112,22 +111,22 @@ class Quest(SparseMethod):
         scores = batched_page_scores(q, pages.bounds[layer], table, full)  # [S, Hkv, P]
         subset, lens = quest_views(scores, context, size, self.config.decode_keep_tokens)
         # Prefill rows (a one-token chunk) read their whole view.
-        return subset, torch.where(batch.decode_t, lens, torch.full_like(lens, -1))
+        return subset, torch.where(batch.sparse.decode_t, lens, torch.full_like(lens, -1))
 
     def select_view(
         self, layer: int, row: int, q: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor | None:
-        step = batch.steps[row]
+        step, kv = batch.sparse.steps[row], batch.sparse.kv
         if layer in self._dense_layers or not step.is_decode:
             return None
         size, budget = self.knobs.quest_chunk_size, self.config.decode_keep_tokens
-        context = batch.kv.resident(step.seq_id, layer) - 1  # the new token is read anyway
+        context = kv.resident(step.seq_id, layer) - 1  # the new token is read anyway
         full = context // size
         # Within the budget, or no full page yet: the whole context is read (the tail
         # always is, whole).
         if context <= budget or full == 0:
             return None
-        pmin, pmax = self._update_pages(step.seq_id, layer, full, batch.kv)
+        pmin, pmax = self._update_pages(step.seq_id, layer, full, kv)
         tail = torch.arange(full * size, context, device=q.device)
         n_pages = max(0, (budget - tail.numel()) // size)
         scores = page_scores(q, pmin[:full], pmax[:full], self.num_kv_heads)  # [Hkv, full]

@@ -235,6 +235,7 @@ def methods_table() -> list[dict[str, object]]:
                 "budget_knob": s.budget_knob,
                 "prefix_cache": s.prefix_cache,
                 "chain_cache": s.chain_cache,
+                "decode_views": s.decode_views.value,
                 "prune": s.prune_scorer is not None,
                 "description": s.description,
             }

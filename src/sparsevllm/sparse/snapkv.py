@@ -57,7 +57,7 @@ class SnapKV(ScoreEviction):
         # seq_id -> layer -> [num_heads, L] window attention summed so far
         self._window: dict[int, dict[int, torch.Tensor]] = {}
 
-    def score_rows(self, step: SeqStep) -> int:
+    def prefill_score_rows(self, step: SeqStep) -> int:
         window_start = step.prompt_len - self.knobs.snapkv_window_size
         if step.is_decode or step.end <= window_start:
             return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -45,6 +46,23 @@ SHARED_DEFAULTS: dict[str, int] = {
     "decode_keep_tokens": 2048,
 }
 SHARED_BUDGET = tuple(SHARED_DEFAULTS)
+
+
+class DecodeViews(enum.Enum):
+    """How a method narrows what a decode query reads (`SparseMethod.select_views`), and
+    so whether its decode steps can replay a captured CUDA graph."""
+
+    # Every decode query reads its whole view; decode graphs replay as for dense
+    # attention (when no row of the step asks for scores).
+    NONE = "none"
+    # select_views narrows decode reads with host data of the step: decode steps run
+    # eagerly, outside CUDA graphs.
+    EAGER = "eager"
+    # select_views reads only device tensors of fixed shapes (allocated by
+    # prepare_graph_capture, replaced only with a new graph_epoch) plus the batch's
+    # device metadata, never host lists: decode graphs compute the views themselves
+    # (and serve the decode rows' score requests).
+    GRAPH = "graph"
 
 
 def knob(
@@ -130,6 +148,9 @@ class MethodSpec:
     - `chain_cache`: evicted state can continue a conversation (the chain cache).
     - `prune_scorer`: how the method scores a cached history's tokens when it serves
       as the scorer of `LLM.prune` (None: it cannot).
+
+    How the method uses decode views (`decode_views`) is read from its class, which
+    declares it beside the select_views it describes.
     """
 
     name: str
@@ -158,6 +179,11 @@ class MethodSpec:
         own = (*self.budget_fields, *self.knobs.names())
         if self.budget_knob is not None and self.budget_knob not in own:
             raise ValueError(f"budget_knob {self.budget_knob!r} is none of {self.name}'s settings")
+
+    @property
+    def decode_views(self) -> DecodeViews:
+        """`SparseMethod.decode_views` of the method's class."""
+        return self.method.decode_views
 
     @property
     def settings(self) -> tuple[str, ...]:

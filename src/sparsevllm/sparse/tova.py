@@ -26,8 +26,11 @@ class TOVA(SparseMethod):
     def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
         return min(prompt_len + max_tokens, self.config.decode_keep_tokens + 1)
 
-    def score_rows(self, step: SeqStep) -> int:
+    def decode_score_rows(self) -> int:
         return 1
+
+    def prefill_score_rows(self, step: SeqStep) -> int:
+        return 1  # the chunk's last query
 
     def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         budget = self.config.decode_keep_tokens
