@@ -31,14 +31,16 @@ def route(
     router_logits: torch.Tensor,  # [T, E]
     top_k: int,
     normalize: bool,
+    float32_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts (float32), the top_k of them, renormalised to sum to 1
-    when `normalize`; returns (weights `[T, K]` in the logits' dtype, ids `[T, K]`)."""
+    when `normalize`; returns (weights `[T, K]`, ids `[T, K]`). The weights are rounded
+    to the logits' dtype (Qwen3-MoE) unless `float32_weights` (Mixtral keeps them)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
+    return (weights if float32_weights else weights.to(router_logits.dtype)), ids
 
 
 def reference_experts(
@@ -55,7 +57,7 @@ def reference_experts(
         tok, slot = torch.where(topk_ids == e)  # the tokens routed to e, and which of their k
         gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)  # [n, I] each
         y = F.linear(act(gate) * up, down[e])  # [n, H]
-        out.index_add_(0, tok, y * topk_weights[tok, slot, None])
+        out.index_add_(0, tok, (y * topk_weights[tok, slot, None]).to(out.dtype))
     return out
 
 
@@ -69,16 +71,25 @@ def expected_active_experts(num_experts: int, top_k: int, num_tokens: int) -> fl
 class TopKRouter(nn.Module):
     """The router (`mlp.gate`): a bias-free linear map to one logit per expert."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        normalize: bool,
+        float32_weights: bool = False,
+    ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..{num_experts}")
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k = top_k
         self.normalize = normalize
+        self.float32_weights = float32_weights
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(F.linear(x, self.weight), self.top_k, self.normalize)
+        logits = F.linear(x, self.weight)  # [T, E]
+        return route(logits, self.top_k, self.normalize, self.float32_weights)
 
 
 class Experts(nn.Module):
@@ -114,9 +125,10 @@ class SparseMoeBlock(nn.Module):
         top_k: int,
         normalize: bool,
         act: str,
+        float32_weights: bool = False,
     ) -> None:
         super().__init__()
-        self.gate = TopKRouter(hidden, num_experts, top_k, normalize)
+        self.gate = TopKRouter(hidden, num_experts, top_k, normalize, float32_weights)
         self.experts = Experts(hidden, intermediate, num_experts, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

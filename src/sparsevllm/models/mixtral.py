@@ -27,6 +27,7 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
             config.num_experts_per_tok,
             True,
             config.hidden_act,
+            float32_weights=True,  # transformers' Mixtral router does not round them
         )
 
 
