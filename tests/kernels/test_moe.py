@@ -60,9 +60,10 @@ def test_uneven_loads_and_idle_experts():
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
 
 
-def test_alignment_groups_rows_by_expert():
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "torch"])
+def test_alignment_groups_rows_by_expert(use_kernel):
     ids = torch.tensor([[3, 0], [3, 1], [3, 0], [1, 3], [0, 3]])  # 2 idle, 3 in two blocks
-    sorted_ids, block_expert = align_by_expert(ids.to(DEVICE), 4, 4)
+    sorted_ids, block_expert = align_by_expert(ids.to(DEVICE), 4, 4, use_kernel=use_kernel)
     sorted_ids, block_expert = sorted_ids.cpu(), block_expert.cpu()
     num_assign = ids.numel()
     flat = ids.reshape(-1)
@@ -79,6 +80,25 @@ def test_alignment_groups_rows_by_expert():
         seen += real
     assert sorted(seen) == list(range(num_assign))  # every assignment exactly once
     assert [e for e in block_expert.tolist() if e < 4] == [0, 1, 3, 3]  # sorted, 2 skipped
+
+
+@pytest.mark.parametrize("case", ["uniform", "one_hot_expert", "few"])
+def test_alignment_kernel_equals_torch(case):
+    """The one-launch alignment gives the torch ops' tensors exactly: runs longer than a
+    kernel chunk (32 assignments, 32 blocks), idle experts, and fewer rows than experts."""
+    g = torch.Generator().manual_seed(7)
+    num_experts, block_m = 12, 4
+    if case == "uniform":
+        ids = torch.randint(0, num_experts, (150, 2), generator=g)
+    elif case == "one_hot_expert":  # 200 rows of expert 9: 50 blocks of it
+        ids = torch.full((100, 2), 9)
+        ids[::7, 1] = torch.randint(0, 5, (15,), generator=g)
+    else:
+        ids = torch.tensor([[11, 2]])
+    got = align_by_expert(ids.to(DEVICE), num_experts, block_m, use_kernel=True)
+    want = align_by_expert(ids.to(DEVICE), num_experts, block_m, use_kernel=False)
+    for g_t, w_t in zip(got, want):
+        assert torch.equal(g_t.cpu(), w_t.cpu())
 
 
 def test_fused_moe_bfloat16():

@@ -25,7 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsevllm.attention.triton._common import check_last_dim_contiguous, dot_precision
+from sparsevllm.attention.triton._common import (
+    check_last_dim_contiguous,
+    dot_precision,
+    next_pow2,
+)
 
 
 @triton.jit
@@ -140,6 +144,61 @@ def _down_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as
     tl.store(o_ptrs, acc * rw[:, None], mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _align_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_assign,
+    num_experts,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Program e < E: expert e's run of `sorted_ids` (its assignments in order, then
+    padding) and its blocks' entries of `block_expert`; program E: the unused tail.
+    Every program counts all experts itself (no inter-program communication)."""
+    e = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for a0 in range(0, num_assign, BLOCK_A):
+        offs = a0 + tl.arange(0, BLOCK_A)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_assign, other=-1)  # [BLOCK_A]
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BLOCK_E]; 0 past num_experts
+    start = tl.sum(tl.where(offs_e < e, padded, 0), axis=0)  # first row of e's run
+    if e < num_experts:
+        count = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
+        run = tl.sum(tl.where(offs_e == e, padded, 0), axis=0)
+        seen = 0
+        for a0 in range(0, num_assign, BLOCK_A):
+            offs = a0 + tl.arange(0, BLOCK_A)
+            mine = tl.load(ids_ptr + offs, mask=offs < num_assign, other=-1) == e
+            rank = seen + tl.cumsum(mine.to(tl.int32), axis=0) - 1  # order kept: stable
+            tl.store(sorted_ptr + start + rank, offs.to(tl.int32), mask=mine)
+            seen += tl.sum(mine.to(tl.int32), axis=0)
+        pad = count + tl.arange(0, BLOCK_M)  # at most BLOCK_M - 1 padding rows
+        tl.store(sorted_ptr + start + pad, num_assign, mask=pad < run)
+        blocks = start // BLOCK_M + tl.arange(0, BLOCK_A)
+        for b0 in range(0, run // BLOCK_M, BLOCK_A):
+            tl.store(block_expert_ptr + b0 + blocks, e, mask=b0 + blocks < (start + run) // BLOCK_M)
+    else:
+        total = start  # e == num_experts: the sum of every run
+        for b0 in range(total // BLOCK_M, num_blocks, BLOCK_A):
+            offs = b0 + tl.arange(0, BLOCK_A)
+            tl.store(block_expert_ptr + offs, num_experts, mask=offs < num_blocks)
+        for r0 in range(total, num_blocks * BLOCK_M, BLOCK_A):
+            offs = r0 + tl.arange(0, BLOCK_A)
+            tl.store(sorted_ptr + offs, num_assign, mask=offs < num_blocks * BLOCK_M)
+
+
+# Assignments up to which one Triton launch groups them (decode: 512 at 64 x 8): every
+# program scans all of them, so the cost grows with E x A; above, the torch ops below
+# (about 25 launches, negligible next to a prefill chunk's GEMMs).
+MAX_KERNEL_ALIGN = 4096
+
+
 def num_padded_blocks(num_assign: int, num_experts: int, block_m: int) -> int:
     """Blocks in the worst case: every used expert's run padded by up to BLOCK_M - 1."""
     worst = num_assign + min(num_experts, num_assign) * (block_m - 1)
@@ -150,13 +209,36 @@ def align_by_expert(
     topk_ids: torch.Tensor,  # [T, K] expert of each assignment
     num_experts: int,
     block_m: int,
+    use_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Assignments grouped by expert, each expert's run padded to a multiple of block_m.
 
-    Returns `sorted_ids` `[num_blocks * block_m]` (assignment ids, `T * K` where padding)
-    and `block_expert` `[num_blocks]` (the expert of each block; `num_experts` for blocks
-    past the last run). Device-side throughout: no value is read back to the host.
+    Returns `sorted_ids` `[num_blocks * block_m]` (assignment ids in their order within
+    each run, `T * K` where padding) and `block_expert` `[num_blocks]` (the expert of each
+    block; `num_experts` for blocks past the last run). Device-side throughout: no value
+    is read back to the host. One Triton launch for up to MAX_KERNEL_ALIGN assignments
+    (`use_kernel` forces a choice), torch ops above; both give the same tensors.
     """
+    num_assign = topk_ids.numel()
+    if use_kernel is None:
+        use_kernel = num_assign <= MAX_KERNEL_ALIGN
+    if not use_kernel:
+        return _align_torch(topk_ids, num_experts, block_m)
+    num_blocks = num_padded_blocks(num_assign, num_experts, block_m)
+    device = topk_ids.device
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    _align_kernel[(num_experts + 1,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert, num_assign, num_experts, num_blocks,
+        BLOCK_M=block_m, BLOCK_A=32, BLOCK_E=next_pow2(num_experts),
+    )  # fmt: skip
+    return sorted_ids, block_expert
+
+
+def _align_torch(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert` as torch ops: a stable sort of the expert ids."""
     flat = topk_ids.reshape(-1).long()  # [A]
     num_assign = flat.numel()
     device = flat.device
