@@ -7,8 +7,8 @@ Parameter names and shapes follow transformers' own modules, so a model's
     mlp.experts.gate_up_proj     [E, 2I, H]   gate rows then up rows, per expert
     mlp.experts.down_proj        [E, H, I]
 
-Checkpoint files store one tensor per expert and projection; `stack_expert_weights`
-turns those into the stacked tensors when a model is loaded.
+Checkpoint files store one tensor per expert and projection;
+`models/expert_weights.py` stacks them when a model is loaded.
 
 On CUDA the experts run as the fused Triton kernel (`attention/triton/moe.py`: tokens
 sorted by expert on the device, grouped GEMMs, graph-safe); elsewhere as
@@ -17,7 +17,6 @@ sorted by expert on the device, grouped GEMMs, graph-safe); elsewhere as
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -59,13 +58,6 @@ def reference_experts(
         y = F.linear(act(gate) * up, down[e])  # [n, H]
         out.index_add_(0, tok, (y * topk_weights[tok, slot, None]).to(out.dtype))
     return out
-
-
-def expected_active_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
-    """Expected distinct experts that `num_tokens` tokens, each routed to `top_k` distinct
-    experts uniformly at random, activate: E * (1 - (1 - k/E)^T). 64 tokens x 8 of 128
-    experts: 125.9 (nearly all); one token: k."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
 class TopKRouter(nn.Module):
@@ -134,39 +126,3 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, K] each
         return self.experts(x, weights, ids)  # [T, H]
-
-
-def stack_expert_weights(
-    state: dict[str, torch.Tensor],
-    num_experts: int,
-    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-    block: str = "mlp",
-) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors `<prefix>.<block>.experts.<e>.<gate|up|down>.weight` (one per
-    expert) -> `<prefix>.mlp.experts.gate_up_proj` / `down_proj`, stacked.
-
-    `names` are the checkpoint's projection names (Mixtral: w1, w3, w2); `block` the
-    checkpoint's name of the MoE block (Mixtral: block_sparse_moe; its router is renamed
-    to `mlp.gate` too). Tensors are moved out of `state` as they are stacked, so the peak
-    is one layer above the checkpoint. Already-stacked checkpoints pass through.
-    """
-    pattern = re.compile(rf"^(.*)\.{block}\.experts\.(\d+)\.({'|'.join(names)})\.weight$")
-    layers: dict[str, dict[tuple[str, int], str]] = {}
-    out: dict[str, torch.Tensor] = {}
-    for key in list(state):
-        m = pattern.match(key)
-        if m is None:
-            out[key.replace(f".{block}.gate.", ".mlp.gate.")] = state.pop(key)
-        else:
-            layers.setdefault(m.group(1), {})[(m.group(3), int(m.group(2)))] = key
-    for prefix, keys in layers.items():
-        for proj in names:
-            missing = [e for e in range(num_experts) if (proj, e) not in keys]
-            if missing:
-                raise ValueError(f"checkpoint lacks {prefix}.{block}.experts.{missing[0]}.{proj}")
-        # [gate_0, up_0, down_0, gate_1, ...]: `names` gives the order.
-        take = [state.pop(keys[(p, e)]) for e in range(num_experts) for p in names]
-        gate_up = [torch.cat([take[3 * e], take[3 * e + 1]]) for e in range(num_experts)]
-        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
-        out[f"{prefix}.mlp.experts.down_proj"] = torch.stack(take[2::3])
-    return out

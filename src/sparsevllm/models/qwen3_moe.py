@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsevllm.layers.moe import SparseMoeBlock, stack_expert_weights
+from sparsevllm.layers.moe import SparseMoeBlock
+from sparsevllm.models.expert_weights import stack_expert_weights
 from sparsevllm.models.llama import LlamaDecoderLayer
 from sparsevllm.models.qwen3 import Qwen3ForCausalLM
 
