@@ -31,6 +31,12 @@ def stack_expert_weights(
         else:
             layers.setdefault(m.group(1), {})[(m.group(3), int(m.group(2)))] = key
     for prefix, keys in layers.items():
+        extra = sorted({e for _, e in keys if e >= num_experts})
+        if extra:
+            raise ValueError(
+                f"checkpoint has {prefix}.{block}.experts.{extra[0]} but the config has "
+                f"{num_experts} experts"
+            )
         for proj in names:
             missing = [e for e in range(num_experts) if (proj, e) not in keys]
             if missing:
