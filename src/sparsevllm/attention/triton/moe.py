@@ -3,10 +3,11 @@
 Each token is routed to `top_k` experts; its `top_k` (token, expert) *assignments* are
 numbered `t * top_k + j`. The launcher
 
-1. groups the assignments by expert on the device (`align_by_expert`): a stable sort of
-   the expert ids, each expert's run padded to a multiple of BLOCK_M with a sentinel, and
-   the expert of every BLOCK_M block. The shapes depend on the token count only and
-   nothing is read back to the host, so the whole layer can be captured in a CUDA graph;
+1. groups the assignments by expert on the device (`align_by_expert`, one launch of
+   `_align_kernel` at decode sizes): each expert's assignments in order, its run padded
+   to a multiple of BLOCK_M with a sentinel, and the expert of every BLOCK_M block. The
+   shapes depend on the token count only and nothing is read back to the host, so the
+   whole layer can be captured in a CUDA graph;
 2. runs the gate/up GEMM per block (`_gate_up_kernel`): one block's rows all use one
    expert, whose fused `[2I, H]` weight is read once per block and N tile; gate and up
    are accumulated side by side and `silu(gate) * up` is written per assignment;
