@@ -124,3 +124,27 @@ def test_prefill_block_sizes_and_bad_shapes():
         fused_moe(x.to(DEVICE), gate_up.to(DEVICE), down[:, :, :16].to(DEVICE), weights, ids)
     with pytest.raises(ValueError, match="must both be"):
         fused_moe(x.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), weights[:5], ids)
+
+
+def test_bench_moe_reports_every_candidate(monkeypatch):
+    """`bench moe`'s per-token-count report on tiny shapes (timers replaced: the report's
+    assembly and the block-size sweep, not the timings, are under test)."""
+    import time
+
+    import sparsevllm.bench.moe as bench_moe
+
+    def once_ms(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    monkeypatch.setattr(bench_moe, "_median_ms", once_ms)
+    monkeypatch.setattr(bench_moe, "_graph_ms", once_ms)
+    shapes = dict(hidden=64, intermediate=32, experts=16, top_k=4, normalize=True)
+    gate_up, down = make_experts(16, 64, 32, torch.float32, seed=8)
+    row = bench_moe.bench_tokens(shapes, (gate_up.to(DEVICE), down.to(DEVICE)), 8, 1e12)
+    assert row["rel_err"] < 1e-5 and 4 <= row["active_experts"] <= 16
+    assert row["auto_block_sizes"] == "16x64x128"
+    small = [c for c in bench_moe.CANDIDATE_BLOCK_SIZES if c[0] == 16 and c != (16, 64, 128)]
+    assert sorted(row["block_sizes_ms"]) == sorted("x".join(map(str, c)) for c in small)
+    assert all(isinstance(v, float) for v in row["block_sizes_ms"].values())
