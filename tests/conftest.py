@@ -34,6 +34,32 @@ LLAMA3_ROPE = {
 }
 
 
+# Mixture-of-experts sizes: 8 experts of 32, 2 per token.
+TINY_MOE = dict(num_experts_per_tok=2, initializer_range=0.1)
+
+
+def _make_moe(kind: str) -> torch.nn.Module:
+    """Four layers (room for sparse layouts across depth). Qwen3-MoE: a dense layer among
+    the MoE ones (`mlp_only_layers`) and unnormalised top-k weights; Mixtral: MoE
+    everywhere, normalised weights."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    base = {**TINY, "num_hidden_layers": 4, **TINY_MOE}
+    if kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            **base,
+            head_dim=32,
+            moe_intermediate_size=32,
+            num_experts=8,
+            norm_topk_prob=False,
+            mlp_only_layers=[2],
+            tie_word_embeddings=False,
+        )
+        return Qwen3MoeForCausalLM(cfg)
+    cfg = MixtralConfig(**{**base, "intermediate_size": 32}, num_local_experts=8)
+    return MixtralForCausalLM(cfg)
+
+
 def _make(kind: str, path: Path) -> str:
     from transformers import (
         LlamaConfig,
@@ -44,8 +70,11 @@ def _make(kind: str, path: Path) -> str:
         Qwen3ForCausalLM,
     )
 
-    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2, "llama4": 3}[kind])
-    if kind == "llama4":  # four layers: room for sparse layouts across depth
+    seeds = {"llama": 0, "qwen2": 1, "qwen3": 2, "llama4": 3, "qwen3_moe": 4, "mixtral": 5}
+    torch.manual_seed(seeds[kind])
+    if kind in ("qwen3_moe", "mixtral"):
+        model = _make_moe(kind)
+    elif kind == "llama4":  # four layers: room for sparse layouts across depth
         cfg = LlamaConfig(**{**TINY, "num_hidden_layers": 4}, tie_word_embeddings=True)
         model = LlamaForCausalLM(cfg)
     elif kind == "llama":

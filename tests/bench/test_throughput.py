@@ -93,3 +93,43 @@ def test_overlapped_steps_are_not_serialised(tiny_llama, tmp_path, monkeypatch) 
     # Phase 2 decodes 7 tokens: a sync per step (plus two per phase) without overlap,
     # only the two per phase with it.
     assert syncs[False] >= 4 + 7 and syncs[True] == 4
+
+
+def test_moe_roofline_counts_the_routed_experts(tiny_model_factory, tmp_path: Path) -> None:
+    """Qwen3-MoE (3 MoE layers of 8 experts, 2 per token, H 64, I 32): a batch-2 decode
+    step reads 8 * (1 - (6/8)^2) = 3.5 experts per layer on average, not all 8; and
+    transformers' generate runs on the same (stacked-expert) weights."""
+    out = tmp_path / "moe.json"
+    args = ["bench", "throughput", "--model", tiny_model_factory("qwen3_moe")]
+    args += ["--prompt-len", "24", "--output-len", "4", "--batch-size", "2"]
+    args += ["--dtype", "float32", "--compare", "hf", "--json", str(out)]
+    assert main(args) == 0
+    r = json.loads(out.read_text())
+    moe = r["moe"]
+    assert (moe["moe_layers"], moe["experts"], moe["experts_per_token"]) == (3, 8, 2)
+    assert moe["active_experts_per_layer"] == pytest.approx(3.5)
+    expert_bytes = 3 * 8 * 3 * 64 * 32 * 4  # layers x experts x (gate, up, down) x H x I x fp32
+    skipped = moe["weight_bytes_all_experts"] - r["weight_bytes_per_step"]
+    assert skipped == pytest.approx(expert_bytes * (1 - 3.5 / 8), abs=1)
+    assert r["hf"]["end_to_end_tokens_per_s"] > 0
+
+
+def test_qwen3_moe_preset_runs_with_dummy_weights(monkeypatch, tmp_path: Path) -> None:
+    """`--model-config qwen3-30b-a3b`, its sizes shrunk (the keys and the family kept):
+    the preset builds the MoE model, draws dummy weights and decodes."""
+    import sparsevllm.bench.model_configs as model_configs
+
+    tiny = dict(model_configs.MODEL_CONFIGS["qwen3-30b-a3b"])
+    tiny.update(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2)
+    tiny.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    tiny.update(vocab_size=512)
+    monkeypatch.setitem(model_configs.MODEL_CONFIGS, "qwen3-30b-a3b", tiny)
+    out = tmp_path / "preset.json"
+    args = ["bench", "throughput", "--model-config", "qwen3-30b-a3b", "--prompt-len", "16"]
+    args += ["--output-len", "4", "--batch-size", "64", "--dtype", "float32", "--json", str(out)]
+    assert main(args) == 0
+    r = json.loads(out.read_text())
+    assert r["model"] == "qwen3-30b-a3b" and r["decode_tokens_per_s"] > 0
+    assert r["moe"]["moe_layers"] == 2 and r["moe"]["experts_per_token"] == 8
+    assert r["moe"]["experts"] == 128  # 64 tokens x 8 of 128 experts: nearly all of them
+    assert 125 < r["moe"]["active_experts_per_layer"] < 126

@@ -140,6 +140,17 @@ def _tiny_hf_config(arch: str, tied: bool) -> transformers.PretrainedConfig:
         return transformers.Qwen3Config(
             **common, num_attention_heads=4, num_key_value_heads=2, head_dim=16
         )
+    if arch == "qwen3moe":  # 4 experts of 16, 2 per token; llama.cpp always renormalises
+        return transformers.Qwen3MoeConfig(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+        )
     if arch == "gemma3":
         return transformers.Gemma3TextConfig(
             **common, num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=16
@@ -187,9 +198,21 @@ def _write_tiny(
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     for hf_name, tensor in original.items():
         data = tensor.numpy().astype(np.float32)
+        if hf_name.endswith("experts.gate_up_proj"):  # llama.cpp: gate and up apart
+            block = hf_name.split(".")[2]
+            gate, up = np.split(data, 2, axis=1)  # [E, I, H] each
+            w.add_tensor(f"blk.{block}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(f"blk.{block}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if hf_name.endswith("experts.down_proj"):
+            hf_name += ".weight"
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         if arch == "llama" and name.endswith("attn_q.weight"):
@@ -207,7 +230,8 @@ def _write_tiny(
 
 
 @pytest.mark.parametrize(
-    "arch,tied", [("llama", False), ("qwen2", False), ("qwen3", True), ("gemma3", True)]
+    "arch,tied",
+    [("llama", False), ("qwen2", False), ("qwen3", True), ("qwen3moe", False), ("gemma3", True)],
 )
 def test_tiny_round_trip(tmp_path: Path, arch: str, tied: bool) -> None:
     hf_cfg = _tiny_hf_config(arch, tied)
@@ -226,8 +250,13 @@ def test_tiny_round_trip(tmp_path: Path, arch: str, tied: bool) -> None:
         half = load_gguf_state_dict(str(path), dtype=torch.bfloat16)
         assert half["model.layers.1.self_attn.k_proj.bias"].dtype == torch.bfloat16
         assert torch.equal(half["model.norm.weight"], original["model.norm.weight"].bfloat16())
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
         assert "model.layers.0.self_attn.q_norm.weight" in ours
+    if arch == "qwen3moe":
+        assert ours["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+        assert (cfg_moe := load_gguf_config(str(path))).moe_intermediate_size == 16
+        assert cfg_moe.norm_topk_prob is True and cfg_moe.num_experts == 4
+        _load_into_our_model(cfg_moe, ours)
 
     cfg = load_gguf_config(str(path))
     assert cfg.architectures == [SUPPORTED_ARCHITECTURES[arch]]
@@ -257,6 +286,17 @@ def test_tiny_round_trip(tmp_path: Path, arch: str, tied: bool) -> None:
         assert set(hf["tensors"]) == set(ours)
         for name, tensor in ours.items():
             assert torch.equal(tensor, torch.as_tensor(hf["tensors"][name])), name
+
+
+def _load_into_our_model(cfg: transformers.PretrainedConfig, state: dict) -> None:
+    """The engine's model class takes the GGUF state dict as it loads a checkpoint."""
+    from sparsevllm.models.loader import load_weights
+    from sparsevllm.models.registry import model_class_for
+
+    model = model_class_for(cfg)(cfg, 128)
+    load_weights(model, model.remap_checkpoint(dict(state)))
+    got = model.model.layers[0].mlp.experts.gate_up_proj
+    assert torch.equal(got, state["model.layers.0.mlp.experts.gate_up_proj"])
 
 
 # ---------------------------------------------------------------- pure functions and errors

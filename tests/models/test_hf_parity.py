@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from sparsevllm import LLM, SamplingParams
 
-KINDS = ["llama", "qwen2", "qwen3"]
+KINDS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
 PROMPTS = [
     [1, 17, 33, 5, 90, 12],
     [1, 200, 3, 3, 41, 7, 88, 19, 250, 6, 77, 31, 4],

@@ -68,10 +68,38 @@ _QWEN25_7B: dict[str, Any] = {
     "bos_token_id": 151643,
     "eos_token_id": 151645,
 }
+# 30.5B parameters, 3.3B activated per token: 128 experts of 768, 8 per token.
+_QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,  # dense layers only; there are none (mlp_only_layers=[])
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama3-8b": _LLAMA3_8B,
     "qwen3-8b": _QWEN3_8B,
     "qwen2.5-7b": _QWEN25_7B,
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
 }
 
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from sparsevllm.bench.model_configs import MODEL_CONFIGS, write_model_config
 from sparsevllm.engine.kv_pool import shuffle_seed
+from sparsevllm.layers.moe import SparseMoeBlock
 from sparsevllm.llm import LLM
 from sparsevllm.sampling import SamplingParams
 
@@ -47,9 +48,32 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float
     return 2 * src.numel() * 4 / statistics.median(times[2:])
 
 
-def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of weights a decode step reads: every matrix once; embeddings only by row."""
-    total = 0
+def expected_active_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Expected distinct experts that `num_tokens` tokens, each routed to `top_k` distinct
+    experts uniformly at random, activate: E * (1 - (1 - k/E)^T). 64 tokens x 8 of 128
+    experts: 125.9 (nearly all); one token: k."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+def active_expert_fractions(model: torch.nn.Module, batch: int) -> dict[int, float]:
+    """id(parameter) -> the fraction of a MoE layer's experts one decode step of `batch`
+    tokens reads (the expected distinct experts under uniform routing, over all)."""
+    fractions: dict[int, float] = {}
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            experts = module.gate.weight.shape[0]
+            active = expected_active_experts(experts, module.gate.top_k, batch)
+            for p in module.experts.parameters():
+                fractions[id(p)] = active / experts
+    return fractions
+
+
+def weight_bytes_per_step(model: torch.nn.Module, batch: int = 1) -> int:
+    """Bytes of weights a decode step of `batch` tokens reads: every matrix once,
+    embeddings only by row, and of a mixture-of-experts layer only the experts the
+    step's tokens are routed to (`active_expert_fractions`)."""
+    fractions = active_expert_fractions(model, batch)
+    total = 0.0
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if id(p) in seen:
@@ -57,8 +81,24 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
         seen.add(id(p))
         if name.endswith("embed_tokens.weight") and not model.config.tie_word_embeddings:
             continue
-        total += p.numel() * p.element_size()
-    return total
+        total += p.numel() * p.element_size() * fractions.get(id(p), 1.0)
+    return int(total)
+
+
+def moe_report(model: torch.nn.Module, batch: int) -> dict[str, Any] | None:
+    """What the roofline assumed of a mixture-of-experts model (None for dense ones)."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return None
+    experts, top_k = blocks[0].gate.weight.shape[0], blocks[0].gate.top_k
+    return {
+        "moe_layers": len(blocks),
+        "experts": experts,
+        "experts_per_token": top_k,
+        "active_experts_per_layer": expected_active_experts(experts, top_k, batch),
+        "active_experts_rule": "expected distinct experts of the step's tokens, uniform routing",
+        "weight_bytes_all_experts": weight_bytes_per_step(model, batch=1 << 30),
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -163,7 +203,7 @@ def measure(
     step = statistics.median(steps) if steps else float("nan")
     per_layer_bytes = runner.kv_bytes_per_slot // runner.num_layers
     kv_read = statistics.median(run["kv_layer_slots"]) * per_layer_bytes if steps else 0
-    weights = weight_bytes_per_step(runner.model)
+    weights = weight_bytes_per_step(runner.model, batch)
     roofline = (weights + kv_read) / bandwidth
     ttft = run["ttft"]
     stats = llm.stats()
@@ -195,6 +235,7 @@ def measure(
         "num_preemptions": stats["num_preemptions"],
         "device_bandwidth_bytes_per_s": bandwidth,
         "weight_bytes_per_step": weights,
+        "moe": moe_report(runner.model, batch),
         "kv_bytes_read_per_step": kv_read,
         "roofline_step_s": roofline,
         "roofline_fraction": roofline / step if steps else None,

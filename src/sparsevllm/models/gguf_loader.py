@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 
@@ -54,6 +55,10 @@ _QK_NORM: dict[str, str] = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
+# Stacked expert gate and up projections, before they are joined.
+_EXPERT_GATE = "mlp.experts.gate_proj"
+_EXPERT_UP = "mlp.experts.up_proj"
+
 # Per-block tensors, relative to ``blk.{i}.`` / ``model.layers.{i}.``. Note that
 # ``ffn_norm`` means different HF modules: the single post-attention norm of
 # llama/qwen, but the *pre*-feed-forward norm of Gemma3 (which has four norms).
@@ -67,6 +72,17 @@ _BLOCK_TENSORS: dict[str, dict[str, str]] = {
         "attn_v.bias": "self_attn.v_proj.bias",
     },
     "qwen3": {**_BLOCK_COMMON, **_QK_NORM, "ffn_norm.weight": "post_attention_layernorm.weight"},
+    # llama.cpp stacks each projection of all experts in one [E, out, in] tensor; gate
+    # and up are joined into `gate_up_proj` after loading (`_join_expert_gate_up`).
+    "qwen3moe": {
+        **_BLOCK_COMMON,
+        **_QK_NORM,
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate_inp.weight": "mlp.gate.weight",
+        "ffn_gate_exps.weight": _EXPERT_GATE,
+        "ffn_up_exps.weight": _EXPERT_UP,
+        "ffn_down_exps.weight": "mlp.experts.down_proj",
+    },
     "gemma3": {
         **_BLOCK_COMMON,
         **_QK_NORM,
@@ -86,6 +102,7 @@ _MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "mistral": "llama",  # llama.cpp stores Mistral as ``llama``; transformers renames it
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
     "gemma3_text": "gemma3",
 }
 
@@ -213,6 +230,10 @@ def _load_gguf_config(path: str) -> transformers.PretrainedConfig:
     config.tie_word_embeddings = "output.weight" not in tensor_names
     if arch == "gemma3":
         _fix_gemma3_config(config, meta)
+    if arch == "qwen3moe":
+        # transformers' parser has no key for the experts' size (it keeps the class
+        # default, 768, which is Qwen3-30B-A3B's but not every model's).
+        config.moe_intermediate_size = _metadata_int(meta, f"{arch}.expert_feed_forward_length")
     return config
 
 
@@ -292,6 +313,22 @@ def _load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict
             # HF Gemma RMSNorm scales by (1 + w); llama.cpp bakes the +1 into w.
             weight = weight - 1.0
         state[hf_name] = weight.to(dtype)
+    return _join_expert_gate_up(state)
+
+
+def _join_expert_gate_up(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's stacked expert gate `[E, I, H]` and up `[E, I, H]` -> the model's
+    `mlp.experts.gate_up_proj` `[E, 2I, H]` (gate rows first, as transformers' layout)."""
+    for gate_name in [k for k in state if k.endswith(_EXPERT_GATE)]:
+        prefix = gate_name[: -len(_EXPERT_GATE)]
+        up_name = prefix + _EXPERT_UP
+        if up_name not in state:
+            raise ValueError(f"GGUF file has {gate_name} but no {up_name}")
+        gate, up = state.pop(gate_name), state.pop(up_name)
+        state[prefix + "mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+    stray = [k for k in state if k.endswith(_EXPERT_UP)]
+    if stray:
+        raise ValueError(f"GGUF file has {stray[0]} but no expert gate projection")
     return state
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 import transformers
+from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
 from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
 from sparsevllm.models.gguf_file import GGUFFile
 
-# llama.cpp stores Mistral as `llama`; transformers tells them apart by the model name.
-_RENAMED_ARCHITECTURES = {"llama": ("mistral", "mistral")}
+# llama.cpp stores Mistral as `llama`; transformers tells them apart by the model name
+# (a name part of "" always matches: llama.cpp's qwen3moe is transformers' qwen3_moe).
+_RENAMED_ARCHITECTURES = {"llama": ("mistral", "mistral"), "qwen3moe": ("", "qwen3_moe")}
 # Multimodal GGUF checkpoints hold only their text backbone.
 _TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
 # The tokenizer class AutoTokenizer picks, where it is not the generic fast tokenizer
@@ -69,6 +71,9 @@ def config_dict(parsed: GGUFFile) -> dict[str, Any]:
     values["tie_word_embeddings"] = "output.weight" not in parsed.tensor_names
     model_type = values.get("model_type", arch)
     values["model_type"] = _TEXT_MODEL_TYPES.get(model_type, model_type)
+    # What llama.cpp assumes where the HF class defaults differ (Qwen3-MoE: norm_topk_prob).
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(values["model_type"], {}).items():
+        values.setdefault(key, value)
     if "vocab_size" not in values and "tokenizer.ggml.tokens" in parsed.metadata:
         values["vocab_size"] = len(parsed.metadata["tokenizer.ggml.tokens"])
     return values

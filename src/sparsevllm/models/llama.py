@@ -82,9 +82,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, **attn_kwargs: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, **attn_kwargs)
-        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.mlp = self.build_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (MoE families override it)."""
+        return LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch
@@ -94,11 +98,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, max_position: int, **attn_kwargs: bool) -> None:
+    def __init__(
+        self,
+        config: Any,
+        max_position: int,
+        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+        **attn_kwargs: bool,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, **attn_kwargs) for i in range(config.num_hidden_layers)
+            layer_cls(config, i, **attn_kwargs) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -113,14 +123,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM head over LlamaModel; `attn_kwargs` select the Qwen variants."""
+    """Causal LM head over LlamaModel; `attn_kwargs` select the Qwen variants and
+    `decoder_layer` the feed-forward blocks (the MoE families)."""
 
     attn_kwargs: dict[str, bool] = {}
+    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_position, **self.attn_kwargs_for(config))
+        self.model = LlamaModel(
+            config, max_position, self.decoder_layer, **self.attn_kwargs_for(config)
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

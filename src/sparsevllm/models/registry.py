@@ -12,6 +12,8 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "sparsevllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "sparsevllm.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "sparsevllm.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "sparsevllm.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "sparsevllm.models.mixtral:MixtralForCausalLM",
     "Gemma3ForCausalLM": "sparsevllm.models.gemma3:Gemma3ForCausalLM",
     # Multimodal Gemma 3 checkpoints (4B and up): only the language model is run.
     "Gemma3ForConditionalGeneration": "sparsevllm.models.gemma3:Gemma3ForCausalLM",
@@ -20,6 +22,8 @@ _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
