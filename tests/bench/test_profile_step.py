@@ -33,7 +33,7 @@ def test_profile_step_reports_phases(as_if_cuda, tmp_path, capsys):
     assert report["args"]["batch_size"] == 3 and report["step_ms"] > 0
     phases = report["host_phases_ms"]
     want = {"schedule", "prepare", "graph_replay", "after_step", "sample_launch", "wait_tokens"}
-    want |= {"schedule_ahead", "complete", "outputs"}
+    want |= {"schedule_ahead", "complete", "outputs", "plan"}
     assert set(phases) == want | {"other"}
     assert phases["schedule"] > 0 and phases["prepare"] > 0 and phases["wait_tokens"] > 0
     assert phases["complete"] > 0 and phases["schedule_ahead"] == 0  # not overlapped

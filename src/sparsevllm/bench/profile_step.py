@@ -24,6 +24,7 @@ import torch
 
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.bench.model_configs import MODEL_CONFIGS, write_model_config
+from sparsevllm.engine import step_loop
 from sparsevllm.layers.sampler import SampledTokens
 
 # Early sequences decode while later ones prefill: room for that, so that none finishes
@@ -163,6 +164,7 @@ def host_phases(llm: LLM, n: int) -> dict[str, float]:
     engine, runner = llm.engine, llm.engine.runner
     targets = {
         "schedule": (engine.scheduler, "schedule"),
+        "plan": (step_loop, "plan_step"),  # the StepPlan: slot lists, table writes
         "prepare": (runner, "_prepare"),
         "graph_replay": (runner.graphs, "run"),
         "after_step": (runner.method, "after_step"),
@@ -170,8 +172,8 @@ def host_phases(llm: LLM, n: int) -> dict[str, float]:
         "wait_tokens": (SampledTokens, "result"),
         # Overlapped scheduling: the step scheduled ahead, then the finished one accounted.
         "schedule_ahead": (engine.scheduler, "schedule_ahead"),
-        "complete": (engine, "_complete"),
-        "outputs": (engine, "_outputs"),
+        "complete": (engine.loop, "_complete"),
+        "outputs": (engine.loop, "_report"),
     }
     spent = dict.fromkeys(targets, 0.0)
     originals = {}
