@@ -49,13 +49,23 @@ async def create_chat_completion(
 
 
 async def apply_template(
-    ctx: ServingContext, messages: list[dict[str, str]], add_generation_prompt: bool
+    ctx: ServingContext,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    add_special_tokens: bool = False,
 ) -> list[int]:
+    """The token ids of `messages` through the chat template; `add_special_tokens` adds
+    the tokenizer's own (e.g. BOS) on top of what the template writes."""
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
 
     def render() -> list[int]:
+        if add_special_tokens:  # through text: transformers 5 has no ids-level helper
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            return list(tok.encode(text, add_special_tokens=True))
         out = tok.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True
         )
