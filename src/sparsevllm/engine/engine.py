@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,6 +72,9 @@ class LLMEngine:
         self._by_request: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.num_generated_tokens = 0
+        # Called with each request's newly sampled token while it is post-processed
+        # (tracing; tests inject faults here). An exception fails that request alone.
+        self.token_observers: list[Callable[[Sequence, int], None]] = []
         overlap = self.config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
         self._overlap = OverlapStepper(self) if self.async_scheduling else None
@@ -254,9 +258,21 @@ class LLMEngine:
         for i, s in sampled:
             if s.seq.is_finished:
                 continue
-            self._append_token(s.seq, result.token_ids[i], result.logprobs[i])
+            try:
+                self._append_token(s.seq, result.token_ids[i], result.logprobs[i])
+            except Exception as e:  # this request's own post-processing: fail it alone
+                self._fail_request(s.seq, e)
             touched.append(s.seq)
         return touched
+
+    def _fail_request(self, seq: Sequence, error: Exception) -> None:
+        """Finish `seq` with finish_reason "error" (its slots are freed, not cached)."""
+        logger.exception("request %s failed in its step; the others go on", seq.request_id)
+        seq.error = f"the engine failed while running this request: {error}"
+        if not seq.is_finished:
+            if self._overlap is not None:
+                self._overlap.before_finish(seq)
+            self.scheduler.finish(seq, "error")
 
     def _outputs(self, touched: list[Sequence], partial: bool = True) -> list[RequestOutput]:
         outputs = [self._make_output(seq) for seq in touched if partial or seq.is_finished]
@@ -270,6 +286,8 @@ class LLMEngine:
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         seq.output_token_ids.append(token)
+        for observe in self.token_observers:
+            observe(seq, token)
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(logprobs)
         self.num_generated_tokens += 1
