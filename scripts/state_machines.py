@@ -79,7 +79,7 @@ def run_one(machine: type, steps: int, step_count: int) -> dict[str, Any]:
         try:
             run_state_machine_as_test(counted(machine, counter), settings=config)
         except Exception as e:  # an invariant or an assertion in a rule failed
-            violations.append("".join(traceback.format_exception_only(type(e), e))[-2000:])
+            violations.append("".join(traceback.format_exception(e))[-4000:])
         counter["examples"] += 20
     return {**counter, "violations": violations}
 
