@@ -78,6 +78,21 @@ def error_shape_problem(response: requests.Response) -> str | None:
     return None
 
 
+def check_one(url: str, method: str, path: str, body: Any, api_key: str | None) -> list[str]:
+    """The problems the fuzzer's checks find with the answer to one given request."""
+    operation = load_schema(url)[path][method]
+    case = operation.Case(body=body, media_type="application/json")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    response = case.call(base_url=url, headers=headers, timeout=60)
+    try:
+        case.validate_response(response, checks=CHECKS[:-1])  # a valid body: no rejection
+    except FailureGroup as group:
+        return [f.title for f in group.exceptions]
+    except AssertionError as e:
+        return [str(e)]
+    return [] if response.status_code == 200 else [f"status {response.status_code}"]
+
+
 def load_schema(url: str) -> Any:
     return schemathesis.openapi.from_url(url + "/openapi.json")
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api_fuzz import error_shape_problem, fuzz
+from api_fuzz import check_one, error_shape_problem, fuzz
 
 from .conftest import TINY_NAME, RunningServer, start_server, tiny_config
 
@@ -84,6 +84,18 @@ def test_generated_requests_get_no_5xx_and_openai_errors(fuzz_server: RunningSer
     assert m["sparsevllm:kv_slots_used"] == m["sparsevllm:kv_slots_cached"]
     assert greedy_text(fuzz_server) == before
     assert httpx.get(fuzz_server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_answers_match_the_documented_events(fuzz_server: RunningServer, path: str):
+    """Regression (found by the random fuzz run): the event-stream schema described each
+    event as a string, so every streamed 200 broke the documented schema."""
+    body: dict[str, Any] = {"model": TINY_NAME, "max_tokens": 3, "stream": True}
+    if path == "/v1/completions":
+        body["prompt"] = "w1 w2"
+    else:
+        body["messages"] = [{"role": "user", "content": "w1"}]
+    assert check_one(fuzz_server.url, "POST", path, body, KEY) == []
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,12 @@ _ERRORS = {
     "503": "The server is shutting down",
 }
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+# One server-sent event: `data:` holds a JSON chunk, a JSON error, or `[DONE]`.
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "minLength": 1}, "event": {"const": "message"}},
+}
 
 
 def install_openapi(app: FastAPI, secured: bool) -> None:
@@ -129,7 +135,8 @@ def _describe(
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            # Before OpenAPI 3.2, an event stream's schema describes each event.
+            "text/event-stream": {"schema": _SSE_EVENT},
         }
     if path in CHAIN_ROUTES:
         operation.setdefault("parameters", []).append(
