@@ -17,7 +17,7 @@ from typing import Any
 
 import requests
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup
@@ -134,6 +134,7 @@ def _run(
         deadline=None,
         phases=[Phase.explicit, Phase.generate],  # every failure is recorded, not shrunk
         suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,  # failures are recorded, not raised: no seed notes
     )
     @given(case=strategy)
     def one(case: Any) -> None:
