@@ -150,3 +150,18 @@ def test_tokenize_messages_with_special_tokens(fuzz_server: RunningServer):
     # The template's tokens, with whatever the tokenizer adds around them.
     joined = ",".join(map(str, tokens))
     assert ",".join(map(str, plain["tokens"])) in joined and r.json()["count"] == len(tokens)
+
+
+def test_stop_strings_are_bounded_per_string_and_per_list(fuzz_server: RunningServer):
+    """Regression: a single stop string over 64 characters was refused as 'at most 64
+    items' (the list bound applied to the string); now each string may hold 1,024."""
+
+    def post(stop: Any) -> httpx.Response:
+        body = {"model": TINY_NAME, "prompt": "w1", "max_tokens": 2, "stop": stop}
+        return httpx.post(fuzz_server.url + "/v1/completions", json=body, headers=AUTH)
+
+    assert post("w9 " * 40).status_code == 200  # 120 characters
+    assert post(["w9"] * 64).status_code == 200
+    for bad in ("x" * 1025, ["w9"] * 65, "", [""]):
+        r = post(bad)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("stop"), r.text
