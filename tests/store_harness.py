@@ -205,6 +205,8 @@ class Engine:
         return True
 
     def decode(self, seq: Sequence, token: int) -> None:
+        # Only a running sequence decodes (a preempted one holds no slots until admitted).
+        assert seq in self.running, f"sequence {seq.seq_id} decodes while not running"
         if not self.pool.can_append(1):
             return self.preempt(seq)
         self.pool.append(seq.seq_id, 1)

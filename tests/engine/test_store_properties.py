@@ -79,6 +79,8 @@ class StoreMachine(RuleBasedStateMachine):
         if not self.engine.admit(seq, outputs[0]):
             return
         for token in outputs[1:]:
+            if seq not in self.engine.running:
+                break  # preempted by a decode that found no room: it waits again
             self.engine.decode(seq, token)
         if seq in self.engine.running:
             self.engine.finish(seq)
@@ -322,6 +324,27 @@ SETTINGS = settings(
 def test_store_protocol_invariants(kind: str, tiers: str) -> None:
     machine = type(f"{kind}_{tiers}", (StoreMachine,), {"kind": kind, "tiers": tiers})
     run_state_machine_as_test(machine, settings=SETTINGS)
+
+
+def test_a_request_preempted_while_served_stops_decoding():
+    """Regression (found by scripts/state_machines.py): `serve` went on decoding a
+    request that a decode without room had preempted, so a waiting request took a slot
+    and the slot accounting broke. The shrunk example, replayed."""
+    machine = type("radix_cpu", (StoreMachine,), {"kind": "radix", "tiers": "cpu"})()
+    for _ in range(15):
+        machine.make_room(n=1)
+    machine.serve(base=1, chain_id=None, cut=3, extra=[1], outputs=[1, 1, 1, 1])
+    machine.add(base=2, chain_id=None, cut=7, extra=[1, 1])
+    machine.serve(base=0, chain_id=None, cut=5, extra=[1, 1], outputs=[1, 1, 1, 1])
+    machine.admit(i=0, token=1)
+    machine.add(base=0, chain_id=None, cut=0, extra=[1])
+    machine.serve(base=3, chain_id=None, cut=10, extra=[1, 1, 1, 1], outputs=[1, 1, 1, 1])
+    preempted = [
+        seq for seq in machine.engine.waiting if seq.num_preemptions or seq.output_token_ids
+    ]
+    assert preempted and not any(machine.world.pool.has(seq.seq_id) for seq in preempted)
+    machine.consistent()
+    machine.teardown()
 
 
 PURE = [

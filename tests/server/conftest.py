@@ -82,8 +82,13 @@ def hang_up_mid_stream(server: RunningServer, body: dict[str, Any], events: int)
 
 
 def start_server(config: EngineConfig, **kwargs: Any) -> RunningServer:
-    """Load the engine, bind a free port and serve in a thread (no signal handlers there)."""
-    engine = AsyncEngine(LLMEngine(config))
+    """Load the engine, bind a free port and serve in a thread (no signal handlers there).
+    `engine_setup(llm_engine)`, if given, runs before the worker starts."""
+    setup = kwargs.pop("engine_setup", None)
+    llm_engine = LLMEngine(config)
+    if setup is not None:
+        setup(llm_engine)
+    engine = AsyncEngine(llm_engine)
     kwargs.setdefault("log_level", "warning")
     kwargs.setdefault("shutdown_grace_s", 1.0)
     # Port 0: the OS picks a free port when uvicorn binds, so there is no race for it.

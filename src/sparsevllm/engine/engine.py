@@ -64,6 +64,9 @@ class LLMEngine:
             store=self.store,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        # Called with each request's newly sampled token while it is post-processed
+        # (tracing; tests inject faults here). An exception fails that request alone.
+        self.token_observers = self.outputs.token_observers
         self._by_request: dict[str, Sequence] = {}
         overlap = self.config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap

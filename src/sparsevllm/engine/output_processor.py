@@ -4,6 +4,7 @@ finish reasons and the text deltas a stream reports (torch-free)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sparsevllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
@@ -25,6 +26,8 @@ class OutputProcessor:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._emitted: dict[int, int] = {}
         self.num_generated_tokens = 0
+        # Called with each request's newly sampled token (tracing, fault injection).
+        self.token_observers: list[Callable[[Sequence, int], None]] = []
 
     def add(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
@@ -44,6 +47,8 @@ class OutputProcessor:
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         seq.output_token_ids.append(token)
+        for observe in self.token_observers:
+            observe(seq, token)
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(logprobs)
         self.num_generated_tokens += 1

@@ -26,6 +26,7 @@ is computed exactly as without overlap: the outputs are the same tokens.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.step_plan import plan_step
 from sparsevllm.layers.sampler import SampledTokens, SamplerOutput, needs_history
 from sparsevllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -150,11 +153,22 @@ class StepLoop:
         for i, s in enumerate(sampled):
             if s.seq.is_finished or result is None:
                 continue
-            reason = self.outputs.append_token(s.seq, result.token_ids[i], result.logprobs[i])
-            if reason is not None:
-                self.finish(s.seq, reason)
+            try:
+                reason = self.outputs.append_token(s.seq, result.token_ids[i], result.logprobs[i])
+            except Exception as e:  # this request's own post-processing: fail it alone
+                self._fail_request(s.seq, e)
+            else:
+                if reason is not None:
+                    self.finish(s.seq, reason)
             touched.append(s.seq)
         return touched
+
+    def _fail_request(self, seq: Sequence, error: Exception) -> None:
+        """Finish `seq` with finish_reason "error" (its slots are freed, not cached)."""
+        logger.exception("request %s failed in its step; the others go on", seq.request_id)
+        seq.error = f"the engine failed while running this request: {error}"
+        if not seq.is_finished:
+            self.finish(seq, "error")
 
     def _report(self, touched: list[Sequence], partial: bool) -> list[RequestOutput]:
         outputs = [self.outputs.output(seq) for seq in touched if partial or seq.is_finished]

@@ -69,7 +69,16 @@ def build_tiers(
     if config.disk_offload_dir is not None:
         fingerprint = kv_fingerprint(config, source, runner, pool.layer_groups)
         fingerprint["cache"] = cache
-        disk = DiskTier(config.disk_offload_dir, int(config.disk_offload_gb * 2**30), fingerprint)
+        try:
+            disk = DiskTier(
+                config.disk_offload_dir, int(config.disk_offload_gb * 2**30), fingerprint
+            )
+        except OSError as e:  # e.g. a read-only or missing mount: serve without it
+            logger.warning(
+                "disk tier: cannot use %s (%s); running without a disk tier",
+                config.disk_offload_dir,
+                e,
+            )
     if cpu is None and disk is None:
         return None
     kv = KVRows(runner.k_cache, runner.v_cache, pool.group_of_layer)

@@ -25,6 +25,7 @@ from sparsevllm.server.completions import create_completion
 from sparsevllm.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN
 from sparsevllm.server.errors import APIError, bad_request, from_validation_error
 from sparsevllm.server.metrics import CONTENT_TYPE
+from sparsevllm.server.openapi import install_openapi
 from sparsevllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from sparsevllm.server.serving import ServingContext
 from sparsevllm.server.tokenize import (
@@ -131,6 +132,7 @@ def build_app(
     app.include_router(_v1_router(ctx, require_key))
     app.include_router(_tokenizer_router(ctx, require_key))
     _add_ops_routes(app, ctx)
+    install_openapi(app, secured=api_key is not None)
     return app
 
 

@@ -19,13 +19,15 @@ from sparsevllm.engine.cache.store import (
     empty_listing,
 )
 from sparsevllm.server.errors import APIError, bad_request, from_value_error
-from sparsevllm.server.protocol import StrictModel, check_chain_id
+from sparsevllm.server.protocol import CHAIN_ID_SCHEMA, StrictModel, TokenId, check_chain_id
 from sparsevllm.server.requests import EngineClosed
 
 if TYPE_CHECKING:
     from sparsevllm.server.serving import ServingContext
 
 logger = logging.getLogger(__name__)
+
+TokenIndex = Annotated[int, Field(ge=0)]  # a logical token position
 
 
 def cache_listing(engine: Any) -> CacheListing:
@@ -55,9 +57,11 @@ class CachePruneRequest(StrictModel):
     """Body of POST /v1/cache/prune: which history (a chain, or the cached prefix of a
     prompt), which token ranges, how to score them and how much of each to keep."""
 
-    chain_id: str | None = None
-    prompt: str | Annotated[list[int], Field(min_length=1)] | None = None
-    ranges: list[Annotated[list[int], Field(min_length=2, max_length=2)]] = Field(min_length=1)
+    chain_id: str | None = Field(None, json_schema_extra=CHAIN_ID_SCHEMA)
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | None = None
+    ranges: list[Annotated[list[TokenIndex], Field(min_length=2, max_length=2)]] = Field(
+        min_length=1
+    )
     method: str = "knorm"
     keep_ratio: float = Field(gt=0.0, le=1.0)
 

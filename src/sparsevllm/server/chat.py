@@ -34,28 +34,40 @@ async def create_chat_completion(
     ctx.check_fan_out(n)
     chain_id = resolve_chain_id(req.chain_id, raw, n)
     messages = [m.as_template_input() for m in req.messages]
-    prompt = PromptInput(await apply_template(ctx, messages, bool(req.add_generation_prompt)))
-    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = check_context_length(
-        len(prompt.token_ids), req.requested_max_tokens(), ctx.max_model_len, field, "messages"
-    )
-    params = req.sampling_params(max_tokens, req.logprobs_n())
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices, engine_requests = fan_out(request_id, [prompt], params, n, chain_id)
-    stream = await ctx.submit(engine_requests, prompt_param="messages")
+    with ctx.admitting(n) as admission:
+        ids = await apply_template(ctx, messages, bool(req.add_generation_prompt))
+        prompt = PromptInput(ids)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = check_context_length(
+            len(prompt.token_ids), req.requested_max_tokens(), ctx.max_model_len, field, "messages"
+        )
+        params = req.sampling_params(max_tokens, req.logprobs_n())
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices, engine_requests = fan_out(request_id, [prompt], params, n, chain_id)
+        stream = await ctx.submit(engine_requests, "messages", admission)
     fmt = _Formatter(ctx, req, request_id, prompt, ChainFields.of(stream))
     head = fmt.head(choices) if req.stream else []
     return await respond(ctx, raw, stream, choices, fmt, head, req.stream)
 
 
 async def apply_template(
-    ctx: ServingContext, messages: list[dict[str, str]], add_generation_prompt: bool
+    ctx: ServingContext,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    add_special_tokens: bool = False,
 ) -> list[int]:
+    """The token ids of `messages` through the chat template; `add_special_tokens` adds
+    the tokenizer's own (e.g. BOS) on top of what the template writes."""
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
 
     def render() -> list[int]:
+        if add_special_tokens:  # through text: transformers 5 has no ids-level helper
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            return list(tok.encode(text, add_special_tokens=True))
         out = tok.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True
         )

@@ -25,19 +25,22 @@ from sparsevllm.server.serving import (
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
-    prompts = await _tokenize_prompts(ctx, req.prompt)
+    items = _prompt_items(req.prompt)
+    ctx.check_fan_out(len(items), "prompt")  # before tokenizing thousands of prompts
     n = req.num_choices
-    ctx.check_fan_out(len(prompts) * n)
-    chain_id = resolve_chain_id(req.chain_id, raw, len(prompts) * n)
-    max_tokens = req.max_tokens_or_default()
-    for p in prompts:
-        check_context_length(
-            len(p.token_ids), max_tokens, ctx.max_model_len, "max_tokens", "prompt"
-        )
-    params = req.sampling_params(max_tokens, req.logprobs)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    choices, engine_requests = fan_out(request_id, prompts, params, n, chain_id)
-    stream = await ctx.submit(engine_requests, prompt_param="prompt")
+    ctx.check_fan_out(len(items) * n)
+    with ctx.admitting(len(items) * n) as admission:
+        prompts = await _tokenize_prompts(ctx, items)
+        chain_id = resolve_chain_id(req.chain_id, raw, len(prompts) * n)
+        max_tokens = req.max_tokens_or_default()
+        for p in prompts:
+            check_context_length(
+                len(p.token_ids), max_tokens, ctx.max_model_len, "max_tokens", "prompt"
+            )
+        params = req.sampling_params(max_tokens, req.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        choices, engine_requests = fan_out(request_id, prompts, params, n, chain_id)
+        stream = await ctx.submit(engine_requests, "prompt", admission)
     if req.echo:  # the ids passed the engine's validation: safe to decode now
         for p in prompts:
             if p.text is None:
@@ -46,18 +49,18 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     return await respond(ctx, raw, stream, choices, fmt, [], req.stream)
 
 
-async def _tokenize_prompts(
-    ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]]
-) -> list[PromptInput]:
+def _prompt_items(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """The request's prompts (one per sequence before `n`): texts or token-id lists."""
     if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif not prompt:
+        return [prompt]
+    if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
-    elif isinstance(prompt[0], int):
-        items = [prompt]
-    else:
-        items = list(prompt)
-    ctx.check_fan_out(len(items), "prompt")  # before tokenizing thousands of prompts
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+async def _tokenize_prompts(ctx: ServingContext, items: list[Any]) -> list[PromptInput]:
     prompts = []
     for i, item in enumerate(items):
         if isinstance(item, str):

@@ -24,6 +24,7 @@ from sparsevllm.server.app import build_app
 from sparsevllm.server.async_engine import AsyncEngine
 from sparsevllm.server.defaults import (
     DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE_LEN,
     DEFAULT_PORT,
     DEFAULT_SHUTDOWN_GRACE_S,
@@ -100,10 +101,17 @@ def make_server(
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     log_level: str = "info",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> SparseServer:
     """A server ready to `run()` (or to run in a thread: then no signal handling)."""
     name = served_model_name or default_served_model_name(async_engine.config)
-    app = build_app(async_engine, name, api_key=api_key, max_queue_len=max_queue_len)
+    app = build_app(
+        async_engine,
+        name,
+        api_key=api_key,
+        max_queue_len=max_queue_len,
+        max_body_bytes=max_body_bytes,
+    )
     config = uvicorn.Config(
         app,
         host=host,

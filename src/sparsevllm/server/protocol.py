@@ -10,7 +10,7 @@ fields accept ``null``, which some clients send for "not set".
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -26,6 +26,19 @@ _CHAIN_ID_CHARS = re.compile(r"[\x21-\x7e]+")
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a
 # denormal-small temperature overflows them to inf, and the softmax to NaN.
 GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 1024
+MAX_STOP_TOKEN_IDS = 1024
+TokenId = Annotated[int, Field(ge=0)]  # the vocabulary's upper bound is checked by the engine
+# One stop string: non-empty (an empty one would stop at once), and bounded.
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+# What the JSON schema says of a chain id (check_chain_id enforces it, with a clearer
+# message than a pattern mismatch); outside an anyOf, so it constrains strings only.
+CHAIN_ID_SCHEMA: dict[str, Any] = {
+    "minLength": 1,
+    "maxLength": MAX_CHAIN_ID_LEN,
+    "pattern": "^[\\x21-\\x7e]+$",
+}
 
 
 class StrictModel(BaseModel):
@@ -49,8 +62,8 @@ class SamplingFields(StrictModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = Field(None, max_length=64)
-    stop_token_ids: list[int] | None = Field(None, max_length=1024)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -61,9 +74,11 @@ class SamplingFields(StrictModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI clients send it
-    logit_bias: dict[str, float] | None = None  # only null or {} (not supported)
+    # Only null or {} (not supported); the schema says so, the validator says why.
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     max_tokens: int | None = Field(None, ge=1)
-    chain_id: str | None = None  # chain cache: the conversation this request continues
+    # Chain cache: the conversation this request continues.
+    chain_id: str | None = Field(None, json_schema_extra=CHAIN_ID_SCHEMA)
 
     @field_validator("chain_id")
     @classmethod
@@ -118,11 +133,12 @@ class SamplingFields(StrictModel):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # only equal to n (no reranking)
-    suffix: str | None = None  # only null (no insertion mode)
+    # Only null or "" (no insertion mode).
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
@@ -213,7 +229,7 @@ class DetokenizeRequest(StrictModel):
     """POST /detokenize."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def check_context_length(

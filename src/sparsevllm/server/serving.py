@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -52,6 +53,7 @@ class ServingContext:
         self.max_model_len = engine.max_model_len
         self.token_strings = TokenStrings(engine.tokenizer)
         self.created = int(time.time())
+        self._admitting = 0  # sequences between their body's parse and their submission
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsevllm-tok")
 
     def close(self) -> None:
@@ -74,6 +76,23 @@ class ServingContext:
                 param=param,
             )
 
+    @contextlib.contextmanager
+    def admitting(self, num_sequences: int) -> Iterator[Admission]:
+        """Hold `num_sequences` places in the waiting queue while a request is tokenized,
+        until `submit` hands them to the engine's own count. Beyond the queue limit a
+        request is refused (429) before its prompts are tokenized: a client sending
+        faster than the engine serves holds at most `max_queue_len` requests' prompts in
+        the server, never an unbounded pile."""
+        waiting = self.engine.num_waiting() + self._admitting
+        if waiting + num_sequences > self.max_queue_len:
+            raise _queue_full(waiting, self.max_queue_len)
+        admission = Admission(self, num_sequences)
+        self._admitting += num_sequences  # the event loop's thread only: no lock
+        try:
+            yield admission
+        finally:
+            admission.release()
+
     async def run_in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -87,8 +106,12 @@ class ServingContext:
             return ""
         return await self.run_in_tokenizer_thread(self.tokenizer.decode, token_ids)
 
-    async def submit(self, requests: list[EngineRequest], prompt_param: str) -> RequestStream:
-        """Submit to the engine; its refusals become API errors."""
+    async def submit(
+        self, requests: list[EngineRequest], prompt_param: str, admission: Admission
+    ) -> RequestStream:
+        """Submit to the engine (its count of waiting requests takes over from
+        `admission`); its refusals become API errors."""
+        admission.release()
         try:
             return await self.engine.submit(requests, max_waiting=self.max_queue_len)
         except QueueFull as e:
@@ -125,6 +148,23 @@ class ServingContext:
         if consumer.cancelled():
             return None
         return consumer.result()
+
+
+@dataclasses.dataclass
+class Admission:
+    """Places a request holds in the waiting queue before the engine counts it."""
+
+    ctx: ServingContext
+    num_sequences: int
+
+    def release(self) -> None:
+        self.ctx._admitting -= self.num_sequences
+        self.num_sequences = 0
+
+
+def _queue_full(waiting: int, limit: int) -> APIError:
+    message = f"{waiting} requests are waiting (limit {limit}); retry later"
+    return APIError(429, message, type="rate_limit_exceeded", code="queue_full")
 
 
 def resolve_chain_id(body_value: str | None, request: Request, num_sequences: int) -> str | None:

@@ -25,9 +25,9 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict[str, Any]:
     tok = _tokenizer(ctx, "prompt" if req.messages is None else "messages")
     if req.messages is not None:
         messages = [m.as_template_input() for m in req.messages]
-        ids = await apply_template(ctx, messages, bool(req.add_generation_prompt))
-        if req.add_special_tokens:
-            ids = tok.build_inputs_with_special_tokens(ids)
+        ids = await apply_template(
+            ctx, messages, bool(req.add_generation_prompt), bool(req.add_special_tokens)
+        )
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(

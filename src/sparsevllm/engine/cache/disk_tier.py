@@ -6,8 +6,15 @@ shapes the KV bytes (format version, model identity, dtype, layers, KV heads, he
 layer groups, sparse method and its knobs, and which store wrote them); an engine only
 ever reads its own directory and checks every file's recorded fingerprint again on
 start, so KV written by another model, configuration or format is never used. A file is
-written to `*.tmp`, synced and renamed, so a crash leaves either the whole entry or a
-`*.tmp` leftover (removed on start).
+written to `*.tmp`, synced, renamed and the directory synced, so a crash (even SIGKILL
+mid-write) leaves either the whole entry or a `*.tmp` leftover (removed on start). Every
+file records a digest of its tokens and K/V bytes, checked when it is read: a file
+damaged after it was written is discarded with a log line, never restored.
+
+Files are named by a hash of the entry's name (a client's chain id among them), so no
+request field ever becomes a path. A disk that is full, read-only or gone degrades the
+tier: the entry is not kept (one warning says why, and again after a write succeeds),
+and serving goes on.
 
 A file holds the entry's logical tokens, its K/V rows per layer (view order), the
 per-entry device state the stack adds (a chain's view positions and method state) and
@@ -86,6 +93,18 @@ def _digest(fingerprint: dict[str, object]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class CorruptEntry(ValueError):
+    """A disk tier file that cannot be read back as written (truncated, damaged)."""
+
+
+def payload_digest(tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> str:
+    """A digest of an entry's tokens and K/V bytes (what a torn or damaged file changes)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in [tokens, *k, *v]:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 @dataclass
 class _Entry:
     path: Path
@@ -105,6 +124,8 @@ class DiskTier:
         self.on_evict: Callable[[int], None] | None = None
         self.num_written = 0
         self.num_read = 0
+        self.num_write_errors = 0
+        self._failing = False  # the last write failed (warned once until one succeeds)
 
     @property
     def used_bytes(self) -> int:
@@ -120,17 +141,17 @@ class DiskTier:
     def scan(self) -> list[SavedEntry]:
         """Valid entries in this directory, oldest first; leftovers and bad files go."""
         for tmp in self.dir.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)
+            _unlink(tmp)  # an interrupted write: never read
         found = []
         for path in self.dir.glob("*.pt"):
             try:
                 found.append(self._read_meta(path))
             except Exception as e:  # truncated, foreign or from another version
                 logger.warning("disk tier: discarding %s (%s)", path.name, e)
-                path.unlink(missing_ok=True)
+                _unlink(path)
         found.sort(key=lambda s: s.saved_at)
         while found and sum(s.nbytes for s in found) > self.capacity_bytes:
-            found.pop(0).path.unlink(missing_ok=True)  # the cap may have shrunk
+            _unlink(found.pop(0).path)  # the cap may have shrunk
         return found
 
     def _read_meta(self, path: Path) -> SavedEntry:
@@ -155,49 +176,74 @@ class DiskTier:
         rows: HostRows,
         state: StatePayload,
     ) -> bool:
-        """Save entry `key`; False if it cannot fit under the cap even alone."""
+        """Save entry `key`; False if it cannot fit under the cap even alone, or the
+        disk refused it (full, read-only: logged)."""
         stem = hashlib.sha256(record.name.encode()).hexdigest()[:32]
         path, tmp = self.dir / f"{stem}.pt", self.dir / f"{stem}.tmp"
+        tokens = torch.tensor(record.tokens, dtype=torch.long)
+        k, v = [k for k, _ in rows], [v for _, v in rows]  # per layer [n, Hkv, D], view order
         meta = {
             **record.meta,
             "fingerprint": self.fingerprint,
             "name": record.name,
             "counts": counts,
             "saved_at": time.time(),
+            "digest": payload_digest(tokens, k, v),
         }
-        payload = {
-            "tokens": torch.tensor(record.tokens, dtype=torch.long),
-            "k": [k for k, _ in rows],  # per layer [n, Hkv, D], view order
-            "v": [v for _, v in rows],
-            "state": state,
-            "meta": json.dumps(meta),
-        }
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        nbytes = tmp.stat().st_size
-        if nbytes > self.capacity_bytes:
-            tmp.unlink()
+        payload = {"tokens": tokens, "k": k, "v": v, "state": state, "meta": json.dumps(meta)}
+        try:
+            nbytes = _write_synced(tmp, payload)
+            if nbytes > self.capacity_bytes:
+                _unlink(tmp)
+                return False
+            self.drop(key)
+            self._make_room(nbytes)
+            os.replace(tmp, path)
+            _sync_dir(self.dir)
+        except OSError as e:
+            self._write_failed(tmp, e)
             return False
-        self.drop(key)
-        self._make_room(nbytes)
-        os.replace(tmp, path)
+        if self._failing:
+            logger.warning("disk tier: writing to %s works again", self.dir)
+            self._failing = False
         self._entries[key] = _Entry(path, nbytes, list(counts))
         self.num_written += 1
         return True
 
+    def _write_failed(self, tmp: Path, error: OSError) -> None:
+        self.num_write_errors += 1
+        _unlink(tmp)
+        if not self._failing:
+            logger.warning(
+                "disk tier: cannot write to %s (%s); entries that do not fit in memory are "
+                "dropped until a write succeeds, serving goes on",
+                self.dir,
+                error,
+            )
+        self._failing = True
+
     def read(self, key: int) -> tuple[HostRows, StatePayload]:
-        """Entry `key`'s rows and state (tensors on the host); the entry stays."""
+        """Entry `key`'s rows and state (tensors on the host); the entry stays. Raises
+        CorruptEntry when the file is not what was written (its digest, its rows)."""
         self.num_read += 1
-        data = torch.load(self._entries[key].path, map_location="cpu", weights_only=True)
-        rows = list(zip(data["k"], data["v"]))
-        return rows, cast(StatePayload, data["state"])
+        entry = self._entries[key]
+        try:
+            data = torch.load(entry.path, map_location="cpu", weights_only=True)
+            meta = json.loads(data["meta"])
+            k, v = list(data["k"]), list(data["v"])
+            digest = payload_digest(data["tokens"], k, v)
+        except Exception as e:  # truncated, unreadable, gone
+            raise CorruptEntry(f"{entry.path.name} cannot be read: {e}") from e
+        if digest != meta.get("digest") or len(k) != len(v):
+            raise CorruptEntry(f"{entry.path.name} does not hold what was written")
+        if any(len(t) not in entry.counts for t in k + v):
+            raise CorruptEntry(f"{entry.path.name} has rows for other slot counts")
+        return list(zip(k, v)), cast(StatePayload, data["state"])
 
     def drop(self, key: int) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            entry.path.unlink(missing_ok=True)
+            _unlink(entry.path)
 
     def _make_room(self, nbytes: int) -> None:
         while self._entries and self.used_bytes + nbytes > self.capacity_bytes:
@@ -207,4 +253,29 @@ class DiskTier:
                 self.on_evict(oldest)
 
 
-_RESERVED = ("fingerprint", "name", "counts", "saved_at")  # the tier's own metadata
+_RESERVED = ("fingerprint", "name", "counts", "saved_at", "digest")  # the tier's own metadata
+
+
+def _write_synced(path: Path, payload: dict[str, object]) -> int:
+    """Write `payload` to `path` and fsync it; returns its size in bytes."""
+    with open(path, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def _sync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (a crash after it keeps the new name)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:  # a read-only disk keeps it; the next start tries again
+        logger.warning("disk tier: cannot delete %s (%s)", path.name, e)

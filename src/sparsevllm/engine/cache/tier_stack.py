@@ -17,15 +17,18 @@ positions and method state, which the host tier leaves in place).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from sparsevllm.engine.cache.disk_tier import DiskTier
+from sparsevllm.engine.cache.disk_tier import CorruptEntry, DiskTier
 from sparsevllm.engine.cache.host_tier import HostTier
 from sparsevllm.engine.cache.kv_rows import HostRows, KVBytes, StatePayload
 from sparsevllm.engine.cache.store import OffloadUsage
 from sparsevllm.engine.cache.tiering import CPU, DISK, SavedEntry, TierClient
 from sparsevllm.engine.kv_pool import KVPool
+
+logger = logging.getLogger(__name__)
 
 
 class EntryState(Protocol):
@@ -99,7 +102,13 @@ class TierStack:
             return None
         if not self.pool.can_append(max(counts[: self.pool.num_main_groups]) + reserve):
             return None
-        rows, state = self._take(key)
+        try:
+            rows, state = self._take(key)
+        except CorruptEntry as e:  # never restored: the store forgets the entry
+            logger.warning("disk tier: %s; the entry is dropped", e)
+            self.drop(key)
+            self.client.discard(key)
+            return None
         # Out of the tiers before allocating: making room offloads other entries, which
         # may push the oldest ones on or out, and must not take this one.
         self._held.discard(key)
