@@ -35,7 +35,9 @@ from sparsevllm.engine.cache.store import (
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.scheduler import Scheduler
 from sparsevllm.engine.sequence import SeqStatus, Sequence
+from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
+from sparsevllm.engine.step_plan import StepPlan, plan_step
 from sparsevllm.sampling import SamplingParams
 from store_harness import NUM_LAYERS, NUM_SLOTS, World, encode
 
@@ -64,7 +66,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.world = World(self.store, self.tiers)
             self.pool, store = self.world.pool, self.world.store
         self.scheduler = Scheduler(self.pool, MAX_NUM_SEQS, MAX_BATCHED, CHUNK, store=store)
-        self.tables = DeviceSlotTables(self.pool, 2 * MAX_NUM_SEQS + 1, NUM_SLOTS + 8, CPU)
+        self.rows = SlotRows(self.pool, 2 * MAX_NUM_SEQS + 1, NUM_SLOTS + 8)
+        self.tables = DeviceSlotTables(self.pool.num_groups, self.rows.num_rows, NUM_SLOTS + 8, CPU)
         self.added: dict[str, Sequence] = {}
         self.histories: list[list[int]] = [[1, 2, 3, 1, 2], [2, 2, 1]]
         self.ids = itertools.count(10_000)  # clear of the store's own ids
@@ -110,14 +113,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(ids) == len(set(ids)) <= MAX_NUM_SEQS
         assert out.num_batched_tokens <= MAX_BATCHED
         for seq in out.preempted + out.failed:
-            self.tables.release(seq.seq_id)
+            self.rows.release(seq.seq_id)
         sampled = 0
         for s in out.scheduled:
             assert s.start == s.seq.num_computed_tokens and s.num_new_tokens > 0
             if self.world is not None:
                 self.world.write(s.seq, s.start, s.num_new_tokens)
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
-        self.tables.sync(ids)
+        if out.scheduled:
+            self._flush(plan_step(out, self.pool, self.rows))
+            for seq_id in ids:  # every view of the step is whole on the device
+                assert all(self.pool.is_clean(seq_id, g) for g in range(self.pool.num_groups))
         for s in out.scheduled:
             if not s.samples:
                 continue
@@ -126,9 +132,26 @@ class SchedulerMachine(RuleBasedStateMachine):
             if len(s.seq.output_token_ids) >= s.seq.params.max_tokens:
                 self._finish(s.seq, "length")
 
+    def _flush(self, plan: StepPlan) -> None:
+        """The device tables' update as the runner makes it: the plan's writes, then the
+        entries of views that only grew, from the slot mapping."""
+        self.tables.apply(plan.writes)
+        if not plan.writes.deferred:
+            return
+        groups, num_seqs = self.pool.num_groups, plan.num_seqs
+        slots, lens = torch.tensor(plan.slots), torch.tensor(plan.flat_lens)
+        rows = torch.tensor(plan.rows)
+        if plan.seq_major:
+            mapping = slots.view(num_seqs, groups).t()
+            self.tables.write_new(rows, lens.view(num_seqs, groups).t(), mapping)
+        else:
+            mapping = slots.view(groups, plan.num_tokens)
+            q_starts = torch.tensor(plan.q_starts)
+            self.tables.write_new(rows, lens.view(groups, num_seqs), mapping, q_starts)
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        self.tables.release(seq.seq_id)
+        self.rows.release(seq.seq_id)
         if reason == "length":
             self.histories.append(seq.token_ids)
 
@@ -145,8 +168,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         seq = self.scheduler.running[i % len(self.scheduler.running)]
         n = self.pool.num_resident(seq.seq_id, group)
         keep = [j for j in range(n) if j % keep_every or j == n - 1]
-        self.pool.replace_view(seq.seq_id, group, keep)
-        self.tables.rewrite(seq.seq_id, group)
+        self.pool.replace_view(seq.seq_id, group, keep)  # the pool records the change
 
     # -- the store under pressure, pruned, saved ----------------------------------------
     @precondition(lambda self: self.world is not None)
@@ -216,10 +238,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def kv_and_device_tables(self) -> None:
         for seq in self.scheduler.running:
-            row = self.tables.row_of.get(seq.seq_id)
-            for g in range(self.pool.num_groups):
-                view = self.pool.table(seq.seq_id, g)
-                assert row is not None
+            # The device row holds what the pool's change record says it holds (an
+            # eviction since the last step is flushed by the next one).
+            row = self.rows.get(seq.seq_id)
+            clean = self.pool.clean_prefix(seq.seq_id) if row is not None else []
+            for g in range(self.pool.num_groups if row is not None else 0):
+                view = self.pool.table(seq.seq_id, g)[: clean[g]]
                 assert self.tables.table[g, row, : len(view)].tolist() == view
             if self.world is None:
                 continue
