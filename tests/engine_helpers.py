@@ -6,6 +6,33 @@ from __future__ import annotations
 from typing import Any
 
 from sparsevllm import SamplingParams
+from sparsevllm.sparse.registry import method_names
+
+# The method x feature matrix on the 4-layer tiny models: every sparse method, prompts of
+# 3 to 61 tokens, and the knobs that make every layer sparse there.
+SPARSE_METHODS = [m for m in method_names() if m != "vanilla"]
+MATRIX_PROMPTS = [
+    [1] + list(range(10, 70)),
+    [1] + list(range(100, 125)),
+    [1, 5, 6],
+    [1] + list(range(200, 241)),
+]
+EVERY_LAYER_SPARSE: dict[str, dict[str, Any]] = {
+    "omnikv": {"full_attention_layers": (0, 2)},
+    "quest": {"quest_skip_layers": 1},
+}
+
+
+def covering_budget(method: str, recent: int) -> dict[str, Any]:
+    """`method` with budgets that cover the whole context (`recent` >= prompt + output):
+    it must give vanilla's tokens."""
+    return {
+        "sparse_method": method,
+        "decode_keep_tokens": 4096,
+        "recent_keep_tokens": recent,
+        **EVERY_LAYER_SPARSE.get(method, {}),
+    }
+
 
 # Small budgets that make every method evict or select within the tiny prompts of the
 # engine tests (OmniKV and Quest need the 4-layer "llama4" model for their layer knobs).

@@ -10,28 +10,16 @@ from __future__ import annotations
 
 import pytest
 
+from engine_helpers import MATRIX_PROMPTS, SPARSE_METHODS, covering_budget
 from sparsevllm import LLM, SamplingParams
-from sparsevllm.sparse.registry import method_names
 
-SPARSE = [m for m in method_names() if m != "vanilla"]
-PROMPTS = [
-    [1] + list(range(10, 70)),
-    [1] + list(range(100, 125)),
-    [1, 5, 6],
-    [1] + list(range(200, 241)),
-]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-# Per-method knobs that make every layer sparse on the 4-layer model.
-LAYOUT = {"omnikv": {"full_attention_layers": (0, 2)}, "quest": {"quest_skip_layers": 1}}
+SPARSE = SPARSE_METHODS
+PROMPTS = MATRIX_PROMPTS
 
 
 def big_budget(method: str) -> dict:
-    return {
-        "sparse_method": method,
-        "decode_keep_tokens": 4096,
-        "recent_keep_tokens": 128,  # covers the longest context (61 + 16): no eviction
-        **LAYOUT.get(method, {}),
-    }
+    return covering_budget(method, recent=128)
 
 
 @pytest.fixture(scope="module")
