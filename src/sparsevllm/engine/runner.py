@@ -14,12 +14,13 @@ from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.capacity import CapacityPlan
 from sparsevllm.engine.cuda_graph import DecodeGraphs
-from sparsevllm.engine.devices import kv_zeros, resolve_device, resolve_dtype
+from sparsevllm.engine.devices import resolve_device, resolve_dtype
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool, WindowGroup
 from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.step_plan import StepPlan
+from sparsevllm.kv.format import kv_zeros
 from sparsevllm.layers.sampler import SampledTokens, Sampler, SamplerOutput, make_generator
 from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model

@@ -1,0 +1,11 @@
+"""KV storage formats: how a layer's KV is laid out in the pool's slots.
+
+Every format keeps its buffers slot-major (`[num_slots, num_kv_heads, ...]`), so the
+pool's operations (per-head compaction, radix sharing, host and disk tiers) move one
+token's bytes by moving one row of every buffer, whatever the format. See format.py.
+"""
+
+from sparsevllm.kv.format import KVFormat, KVStorage
+from sparsevllm.kv.registry import KV_FORMATS, check_device, format_names, get_format
+
+__all__ = ["KV_FORMATS", "KVFormat", "KVStorage", "check_device", "format_names", "get_format"]

@@ -1,0 +1,39 @@
+"""The `kv_cache_dtype` names and their formats."""
+
+from __future__ import annotations
+
+import difflib
+
+import torch
+
+from sparsevllm.kv.dense import MODEL_DTYPE
+from sparsevllm.kv.format import KVFormat
+from sparsevllm.kv.scaled import FP8_E4M3, INT8
+
+KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (MODEL_DTYPE, FP8_E4M3, INT8)}
+
+
+def format_names() -> list[str]:
+    return list(KV_FORMATS)
+
+
+def get_format(name: str) -> KVFormat:
+    """The format named `name`; an unknown name fails with the closest valid one."""
+    if name not in KV_FORMATS:
+        close = difflib.get_close_matches(name, list(KV_FORMATS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown kv_cache_dtype {name!r}{hint} (valid: {', '.join(KV_FORMATS)})")
+    return KV_FORMATS[name]
+
+
+def check_device(fmt: KVFormat, device: torch.device) -> None:
+    """Raise a ValueError naming the usable formats when `device` cannot read `fmt`."""
+    if fmt.usable_on(device):
+        return
+    where = device.type
+    if device.type == "cuda":
+        where += " (compute capability %d.%d)" % torch.cuda.get_device_capability(device)
+    usable = [f.name for f in KV_FORMATS.values() if f.usable_on(device)]
+    raise ValueError(
+        f"kv_cache_dtype {fmt.name!r} cannot be used on {where}; usable here: {', '.join(usable)}"
+    )
