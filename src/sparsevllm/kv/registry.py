@@ -32,7 +32,8 @@ def check_device(fmt: KVFormat, device: torch.device) -> None:
         return
     where = device.type
     if device.type == "cuda":
-        where += " (compute capability %d.%d)" % torch.cuda.get_device_capability(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        where += f" (compute capability {major}.{minor})"
     usable = [f.name for f in KV_FORMATS.values() if f.usable_on(device)]
     raise ValueError(
         f"kv_cache_dtype {fmt.name!r} cannot be used on {where}; usable here: {', '.join(usable)}"

@@ -83,8 +83,7 @@ FP8_E4M3 = KVFormat(
 )
 INT8 = KVFormat(
     name="int8",
-    help="int8 elements with a float32 scale per token and KV head (about half of bf16's "
-    "bytes)",
+    help="int8 elements with a float32 scale per token and KV head (about half of bf16's bytes)",
     element_dtype=torch.int8,
     scaled=True,
     factory=ScaledStorage,
