@@ -41,6 +41,7 @@ METHOD_KNOBS: dict[str, dict[str, Any]] = {
     "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": 20},
     "snapkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "pyramidkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
+    "knorm": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "h2o": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "sink_keep_tokens": 2},
     "tova": {"decode_keep_tokens": 24, "recent_keep_tokens": 0, "sink_keep_tokens": 0},
     "quest": {

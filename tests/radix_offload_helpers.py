@@ -35,7 +35,9 @@ def cached_rows(llm: LLM, tokens: list[int]):
     _, node = cache.match(tokens)
     slots, positions = cache.view(node)
     index = torch.tensor(slots)
-    rows = [(k[index].clone(), v[index].clone()) for k, v in zip(runner.k_cache, runner.v_cache)]
+    rows = [
+        (k[index].clone(), v[index].clone()) for k, v in ((s.k, s.v) for s in runner.kv_storage)
+    ]
     return rows, positions
 
 
@@ -50,4 +52,6 @@ def borrowed_rows(llm: LLM, rid: str, n: int):
     engine = llm.engine
     table = torch.tensor(engine.pool.table(engine._by_request[rid].seq_id)[:n])
     runner = engine.runner
-    return [(k[table].clone(), v[table].clone()) for k, v in zip(runner.k_cache, runner.v_cache)]
+    return [
+        (k[table].clone(), v[table].clone()) for k, v in ((s.k, s.v) for s in runner.kv_storage)
+    ]

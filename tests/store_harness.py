@@ -26,6 +26,7 @@ from sparsevllm.engine.cache.store import PrefixStore, PruneSpec
 from sparsevllm.engine.cache.tier_stack import TierStack
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.sequence import Sequence
+from sparsevllm.kv.dense import DenseStorage
 from sparsevllm.sampling import SamplingParams
 
 NUM_SLOTS = 24
@@ -122,7 +123,9 @@ class World:
         disk = None
         if self.directory is not None:
             disk = DiskTier(self.directory, 12_000, {"test": "store", "cache": self.kind})
-        kv = KVRows(self.k, self.v, self.pool.group_of_layer)
+        kv = KVRows(
+            [DenseStorage.wrap(k, v) for k, v in zip(self.k, self.v)], self.pool.group_of_layer
+        )
         state = self.state if self.kind == "chain" else None
         return TierStack(self.pool, kv, cpu, disk, state)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from sparsevllm.kv.names import FORMAT_NAMES, check_format_name
 from sparsevllm.sparse.registry import (
     all_knob_names,
     canonical_method_name,
@@ -47,6 +48,9 @@ FIELD_HELP: dict[str, str] = {
     "kv_cache_memory_gb": "KV pool size in GiB over all layers (CPU default: 1 GiB).",
     "gpu_memory_utilization": "On CUDA without an explicit pool size: fraction of the device "
     "memory the engine may use (weights + activations + KV pool).",
+    "kv_cache_dtype": "How KV is stored: auto (the model dtype), fp8_e4m3 or int8 (one "
+    "element per channel plus a float32 scale per token and KV head: about half of bf16's "
+    "bytes). Sliding-window layers keep the model dtype. See docs/architecture.md.",
     "kv_slot_order": "Order in which free KV slots are handed out: sequential, or shuffled "
     "(each sequence's KV spread over the pool; on the H200 the whole engine decoded "
     "64 x 8K 2% slower and prefilled slower with it).",
@@ -107,6 +111,7 @@ class EngineConfig:
     num_kv_slots: int | None = None
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
     kv_slot_order: str = "sequential"
     enforce_eager: bool = False
     async_scheduling: bool | None = None
@@ -181,7 +186,18 @@ class EngineConfig:
                 f"({self.decode_keep_tokens})"
             )
         resolve_prefill_policy(self.sparse_method, self.prefill_policy)
+        self._validate_kv_format()
         self._validate_prefix_caching()
+
+    def _validate_kv_format(self) -> None:
+        _check_type("kv_cache_dtype", self.kv_cache_dtype, str)
+        check_format_name(self.kv_cache_dtype)
+        served = method_spec(self.sparse_method).kv_formats
+        if served is not None and self.kv_cache_dtype not in served:
+            raise ValueError(
+                f"{self.sparse_method} cannot serve kv_cache_dtype {self.kv_cache_dtype!r}; "
+                f"it serves {', '.join(served)} (all formats: {', '.join(FORMAT_NAMES)})"
+            )
 
     def _validated_knobs(self) -> MethodKnobs:
         spec = method_spec(self.sparse_method)

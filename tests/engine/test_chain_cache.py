@@ -165,7 +165,7 @@ def _views(engine, owner):
     runner, pool = engine.runner, engine.pool
     for layer in range(runner.num_layers):
         table = torch.tensor(pool.table(owner, pool.group_of_layer[layer]))
-        yield runner.k_cache[layer], runner.v_cache[layer], table
+        yield runner.kv_storage[layer].k, runner.kv_storage[layer].v, table
 
 
 def test_an_aborted_request_leaves_the_chain_another_request_parked_under_its_id():

@@ -23,15 +23,16 @@ from sparsevllm.engine.cache.kv_rows import KVRows
 from sparsevllm.engine.cache.tier_stack import TierStack
 from sparsevllm.engine.cache.tiering import DISK, DiskRecord
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.kv.dense import DenseStorage
 
 FINGERPRINT = {"test": "disk-faults"}
 ROWS, HEADS, DIM = 64, 4, 32  # an entry of ~64 KiB per layer: writes take a while
 
 
-def rows_of(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def rows_of(i: int) -> list[dict[str, torch.Tensor]]:
     """Entry i's K/V rows for two layers: every value says which entry it belongs to."""
     k = torch.full((ROWS, HEADS, DIM), float(i)) + torch.arange(DIM) / 1000
-    return [(k + layer, -(k + layer)) for layer in range(2)]
+    return [{"k": k + layer, "v": -(k + layer)} for layer in range(2)]
 
 
 WRITER = """
@@ -81,12 +82,13 @@ def test_sigkill_while_writing_leaves_only_whole_files(tmp_path: Path):
         tier.register(key, saved)
         rows, _ = tier.read(key)  # every survivor reads back bit for bit
         i = int(saved.name.removeprefix("entry-"))
-        assert all(torch.equal(a, b) for pair in zip(rows, rows_of(i)) for a, b in zip(*pair))
+        expected = rows_of(i)
+        assert all(torch.equal(got[n], want[n]) for got, want in zip(rows, expected) for n in want)
 
 
 def _flip_a_byte_of_the_rows(path: Path) -> None:
     data = bytearray(path.read_bytes())
-    marker = rows_of(7)[0][0].reshape(-1)[:4].numpy().tobytes()  # entry 7's first K values
+    marker = rows_of(7)[0]["k"].reshape(-1)[:4].numpy().tobytes()  # entry 7's first K values
     at = data.find(marker)
     assert at > 0
     data[at + 1] ^= 0xFF
@@ -136,7 +138,8 @@ def stack_over(root: Path) -> tuple[TierStack, Store, KVPool, list[torch.Tensor]
     pool = KVPool(ROWS * 4, 2, [[0, 1]])
     k = [torch.zeros(ROWS * 4, HEADS, DIM) for _ in range(2)]
     v = [torch.zeros(ROWS * 4, HEADS, DIM) for _ in range(2)]
-    stack = TierStack(pool, KVRows(k, v, pool.group_of_layer), None, DiskTier(str(root), 10**9, {}))
+    rows = KVRows([DenseStorage.wrap(a, b) for a, b in zip(k, v)], pool.group_of_layer)
+    stack = TierStack(pool, rows, None, DiskTier(str(root), 10**9, {}))
     store = Store(pool)
     stack.bind(store)
     return stack, store, pool, k
@@ -145,8 +148,8 @@ def stack_over(root: Path) -> tuple[TierStack, Store, KVPool, list[torch.Tensor]
 def test_a_damaged_file_is_dropped_at_restore_and_the_store_told(tmp_path: Path):
     stack, store, pool, k = stack_over(tmp_path)
     slots = pool.take_slots(ROWS)
-    for layer, (kk, _) in enumerate(rows_of(7)):
-        k[layer][slots] = kk
+    for layer, rows in enumerate(rows_of(7)):
+        k[layer][slots] = rows["k"]
     assert stack.offload(7, [slots]) == DISK
     pool.free_slots(slots)
     _flip_a_byte_of_the_rows(next(tmp_path.rglob("*.pt")))

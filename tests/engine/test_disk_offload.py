@@ -40,7 +40,9 @@ def views(llm: LLM, chain_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for layer in range(engine.runner.num_layers):
         table = torch.tensor(engine.pool.table(owner, engine.pool.group_of_layer[layer]))
-        out.append((engine.runner.k_cache[layer][table], engine.runner.v_cache[layer][table]))
+        out.append(
+            (engine.runner.kv_storage[layer].k[table], engine.runner.kv_storage[layer].v[table])
+        )
     return out
 
 

@@ -100,7 +100,7 @@ def test_logical_ranges_survive_per_head_eviction(model):
     # Layer 0 keys depend only on the token and its position: a dense run gives them all.
     dense = LLM(model, max_model_len=1024, enable_prefix_caching=False)
     turn(dense, HISTORY)
-    k0 = dense.engine.runner.k_cache[0][: len(HISTORY)]  # [200, Hkv, D], slots 0..199
+    k0 = dense.engine.runner.kv_storage[0].k[: len(HISTORY)]  # [200, Hkv, D], slots 0..199
     before = _layer0_keys(llm)
     result = llm.prune("c", ranges=[(60, 200)], keep_ratio=0.5, method="knorm")
     after = _layer0_keys(llm)
@@ -119,7 +119,7 @@ def _layer0_keys(llm: LLM) -> list[list[torch.Tensor]]:
     engine = llm.engine
     owner = engine.store.chains.chains["c"].owner
     table = engine.pool.table(owner, engine.pool.group_of_layer[0])
-    keys = engine.runner.k_cache[0][torch.tensor(table)]  # [L, Hkv, D]
+    keys = engine.runner.kv_storage[0].k[torch.tensor(table)]  # [L, Hkv, D]
     return [[keys[j, h].clone() for j in range(keys.shape[0])] for h in range(keys.shape[1])]
 
 

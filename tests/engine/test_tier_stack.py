@@ -13,6 +13,7 @@ from sparsevllm.engine.cache.kv_rows import KVRows, StatePayload
 from sparsevllm.engine.cache.tier_stack import TierStack
 from sparsevllm.engine.cache.tiering import CPU, DISK, DiskRecord
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.kv.dense import DenseStorage
 
 ROW = 2 * 2 * 4  # bytes of one slot: K and V of two layers, one float32 each
 
@@ -66,7 +67,9 @@ class Rig:
         cpu = HostTier(cpu_slots * ROW) if cpu_slots is not None else None
         disk = DiskTier(str(tmp_path), disk_bytes, {"test": 1}) if tmp_path else None
         self.state = State()
-        kv = KVRows(self.k, self.v, self.pool.group_of_layer)
+        kv = KVRows(
+            [DenseStorage.wrap(k, v) for k, v in zip(self.k, self.v)], self.pool.group_of_layer
+        )
         self.stack = TierStack(self.pool, kv, cpu, disk, self.state)
         self.store = Store(self.pool)
         self.store.stack = self.stack
@@ -162,7 +165,7 @@ def test_persist_writes_the_host_tier_and_the_rest_to_disk(tmp_path):
 
 def test_files_of_another_fingerprint_or_format_are_never_read(tmp_path):
     old = DiskTier(str(tmp_path), 10**6, {"format": 1, "model": "m"})
-    rows = [(torch.ones(2, 1, 1), torch.ones(2, 1, 1))] * 2
+    rows = [{"k": torch.ones(2, 1, 1), "v": torch.ones(2, 1, 1)}] * 2
     assert old.write(7, DiskRecord("chain-1", [1, 2]), [2], rows, {})
     new = DiskTier(str(tmp_path), 10**6, {"format": 2, "model": "m"})
     assert new.dir != old.dir and new.scan() == []

@@ -35,6 +35,7 @@ from sparsevllm.attention.triton import (  # noqa: E402
     quest_page_scores,
     window_attention_mass,
 )
+from sparsevllm.kv.dense import DenseStorage  # noqa: E402
 from sparsevllm.sparse.quest import page_scores  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -105,7 +106,7 @@ def decode_reference(q, k_cache, v_cache, table, rows, lens, scale, subset=None,
             k, v = kc[view], vc[view]
         else:
             sel = subset[s, :, : int(counts[s])].long()  # [Hkv, B]
-            k, v = torch_ref.gather_selected(kc, vc, view, sel)
+            k, v = torch_ref.gather_selected(DenseStorage.wrap(kc, vc), view, sel)
             last = torch.full((num_kv_heads, 1), n - 1, device=q.device)
             positions = torch.cat([sel, last], dim=1)  # [Hkv, B + 1]
         qs = q[s : s + 1].double()
@@ -329,7 +330,8 @@ def test_window_attention_mass(heads, window):
     length = 300
     k_cache, _, table, rows, _ = make_pool([length], num_kv_heads, 64, torch.float32, 21)
     q = torch.randn(window, num_q_heads, 64, device=DEVICE)
-    got = window_attention_mass(q, k_cache, table[int(rows[0])], length, 0.125)
+    storage = DenseStorage.wrap(k_cache, k_cache)
+    got = window_attention_mass(q, storage, table[int(rows[0])], length, 0.125)
     view = table[int(rows[0]), :length].long()
     kk = k_cache[view].double().repeat_interleave(num_q_heads // num_kv_heads, dim=1)
     logits = torch.einsum("rhd,lhd->hrl", q.double(), kk) * 0.125
@@ -344,7 +346,7 @@ def test_quest_pages():
     length = 16 * 9 + 5  # nine full pages and a partial one
     k_cache, _, table, rows, _ = make_pool([length], num_kv_heads, head_dim, torch.bfloat16, 31)
     row = int(rows[0])
-    pmin, pmax = quest_page_minmax(k_cache, table, row, 2, 9, page)
+    pmin, pmax = quest_page_minmax(DenseStorage.wrap(k_cache, k_cache), table, row, 2, 9, page)
     keys = k_cache[table[row, 2 * page : 9 * page].long()].float().view(7, page, num_kv_heads, -1)
     assert torch.equal(pmin, keys.amin(1)) and torch.equal(pmax, keys.amax(1))
     q = torch.randn(8, head_dim, device=DEVICE)

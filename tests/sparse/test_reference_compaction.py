@@ -17,6 +17,7 @@ import torch
 from sparsevllm.attention.torch_ref import attend, gather_selected
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.kv.dense import DenseStorage
 
 HQ, HKV, D, LAYERS, SLOTS = 8, 2, 16, 3, 96
 SCALE = 1.0 / math.sqrt(D)
@@ -47,7 +48,8 @@ def make(seed: int):
     pool.append(2, 20)
     pool.append(1, 7)
     pool.append(2, 17)
-    return pool, k_cache, v_cache, RunnerKV(pool, k_cache, v_cache), g
+    storage = [DenseStorage.wrap(k, v) for k, v in zip(k_cache, v_cache)]
+    return pool, k_cache, v_cache, RunnerKV(pool, storage), g
 
 
 def random_positions(g: torch.Generator, length: int, keep: int) -> torch.Tensor:
@@ -124,7 +126,9 @@ def test_keep_per_head_needs_one_group_per_layer():
     caches = [torch.zeros(16, HKV, D) for _ in range(2)]
     pool.append(0, 8)
     with pytest.raises(RuntimeError):
-        RunnerKV(pool, caches, caches).keep_per_head(0, 0, torch.tensor([[0, 1], [0, 2]]))
+        RunnerKV(pool, [DenseStorage.wrap(c, c) for c in caches]).keep_per_head(
+            0, 0, torch.tensor([[0, 1], [0, 2]])
+        )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -136,7 +140,9 @@ def test_gather_selected_reads_each_heads_tokens_plus_the_new_one(seed):
     q = torch.randn(1, HQ, D, generator=g, dtype=torch.float64)
     # Per head.
     positions = random_positions(g, 36, 9)
-    k_sel, v_sel = gather_selected(k_cache[layer], v_cache[layer], view, positions)
+    k_sel, v_sel = gather_selected(
+        DenseStorage.wrap(k_cache[layer], v_cache[layer]), view, positions
+    )
     assert k_sel.shape == (10, HKV, D)
     for h in range(HKV):
         assert torch.equal(k_sel[:9, h], k_view[positions[h], h])
@@ -150,6 +156,6 @@ def test_gather_selected_reads_each_heads_tokens_plus_the_new_one(seed):
     torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
     # Shared across heads.
     shared = positions[0]
-    k_sel, v_sel = gather_selected(k_cache[layer], v_cache[layer], view, shared)
+    k_sel, v_sel = gather_selected(DenseStorage.wrap(k_cache[layer], v_cache[layer]), view, shared)
     rows = shared.tolist() + [36]
     assert torch.equal(k_sel, k_view[rows]) and torch.equal(v_sel, v_view[rows])

@@ -24,6 +24,7 @@ from sparsevllm.attention.torch_ref import attention_mass
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.kv.dense import DenseStorage
 from sparsevllm.sparse.base import SeqStep
 from sparsevllm.sparse.h2o import H2O
 
@@ -98,7 +99,7 @@ def run(seed: int, prompts: dict[int, int], plan: list[dict[int, int]]):
     pool = KVPool(256, LAYERS, method.layer_groups())
     k_cache = [torch.zeros(256, HKV, D) for _ in range(LAYERS)]
     v_cache = [torch.full((256, HKV, D), -1.0) for _ in range(LAYERS)]
-    kv = RunnerKV(pool, k_cache, v_cache)
+    kv = RunnerKV(pool, [DenseStorage.wrap(k, v) for k, v in zip(k_cache, v_cache)])
     refs = {s: RefH2O() for s in prompts}
     done = dict.fromkeys(prompts, 0)
     evictions = {s: [] for s in prompts}

@@ -1,8 +1,9 @@
 """Attention backends: prefill and decode attention over per-layer slot tables.
 
-A backend owns nothing but references to the runner's KV tensors. Each call stores
-the new tokens' K/V into their slots, then attends every new query to its sequence's
-view (the ordered slots it may read, ending with the new tokens themselves).
+A backend owns nothing but references to the runner's per-layer KV storage (kv/: the
+model dtype or a quantized format). Each call stores the new tokens' K/V into their
+slots, then attends every new query to its sequence's view (the ordered slots it may
+read, ending with the new tokens themselves).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsevllm.attention.sparse_step import SparseStep
+from sparsevllm.kv.format import KVStorage
 
 
 @dataclass
@@ -80,10 +82,8 @@ class AttentionBackend(abc.ABC):
 
     name: str = "abstract"
 
-    def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
-        # Per layer: [num_slots, num_kv_heads, head_dim]
-        self.k_cache = k_cache
-        self.v_cache = v_cache
+    def __init__(self, storage: list[KVStorage]) -> None:
+        self.storage = storage  # per layer
 
     @abc.abstractmethod
     def forward(

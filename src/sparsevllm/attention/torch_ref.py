@@ -1,6 +1,7 @@
 """Reference attention backend: gather each sequence's view from the slots, then SDPA.
 
-Runs on any device; it is the CPU path and the oracle for the Triton kernels.
+Runs on any device and every storage format (the storage quantizes on store and
+dequantizes what a view reads); it is the CPU path and the oracle for the Triton kernels.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
+from sparsevllm.kv.format import KVStorage
 
 
 class TorchRefBackend(AttentionBackend):
@@ -25,10 +27,8 @@ class TorchRefBackend(AttentionBackend):
         window: int | None = None,
     ) -> torch.Tensor:
         group = batch.group_of_layer[layer]
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        slots = batch.slot_mapping[group]
-        k_cache[slots] = k.to(k_cache.dtype)
-        v_cache[slots] = v.to(v_cache.dtype)
+        storage = self.storage[layer]
+        storage.store(k, v, batch.slot_mapping[group])
         out = torch.empty_like(q)
         picks = _selection(layer, q, batch) if window is None else None
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
@@ -43,9 +43,9 @@ class TorchRefBackend(AttentionBackend):
             if picks is not None and n == 1 and picks[1][i] >= 0:
                 selected = picks[0][i, :, : picks[1][i]].long()  # [Hkv, B_i]
             if selected is None:
-                k_i, v_i = k_cache[view], v_cache[view]
+                k_i, v_i = storage.read(view)
             else:
-                k_i, v_i = gather_selected(k_cache, v_cache, view, selected)
+                k_i, v_i = gather_selected(storage, view, selected)
             out[start : start + n] = attend(q_i, k_i, v_i, scale, window)
             if rows:
                 if selected is not None:
@@ -72,7 +72,7 @@ def _selection(
 
 
 def gather_selected(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, view: torch.Tensor, positions: torch.Tensor
+    storage: KVStorage, view: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V of the selected context positions plus the newest token (the view's last row).
 
@@ -80,13 +80,10 @@ def gather_selected(
     """
     last = view[-1:]
     if positions.dim() == 1:
-        rows = torch.cat([view[positions], last])
-        return k_cache[rows], v_cache[rows]
-    heads = torch.arange(positions.shape[0], device=positions.device)
-    slots = view[positions].t()  # [B, Hkv]
-    k_sel = k_cache[slots, heads]  # [B, Hkv, D]
-    v_sel = v_cache[slots, heads]
-    return torch.cat([k_sel, k_cache[last]]), torch.cat([v_sel, v_cache[last]])
+        return storage.read(torch.cat([view[positions], last]))
+    k_sel, v_sel = storage.read_heads(view[positions].t())  # [B, Hkv, D] each
+    k_last, v_last = storage.read(last)
+    return torch.cat([k_sel, k_last]), torch.cat([v_sel, v_last])
 
 
 def attend(

@@ -7,7 +7,8 @@ logical views come batched from the method as a per-KV-head index subset (also f
 decoding rows of a batch with prefill chunks); prefill observation scores (once per
 prefill) are computed per KV head through the slot table (`window_attention_mass`).
 Sliding-window layers pass their window to both kernels; sparse methods leave them
-alone (no logical views, no scores).
+alone (no logical views, no scores). A quantized storage format (kv/scaled.py) hands the
+kernels its per-token scales: they quantize on store and dequantize in registers.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class TritonBackend(AttentionBackend):
         window: int | None = None,
     ) -> torch.Tensor:
         group = batch.group_of_layer[layer]
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping[group])
+        storage = self.storage[layer]
+        scales = {"k_scale": storage.k_scale, "v_scale": storage.v_scale}  # None: model dtype
+        store_kv(k, v, storage.k, storage.v, batch.slot_mapping[group], **scales)
         out = torch.empty_like(q)
         table = batch.tables[group]
         lens = batch.view_lens_t[group]
@@ -46,8 +48,8 @@ class TritonBackend(AttentionBackend):
             return self._decode(layer, q, batch, scale, out, window)
         prefill_attention(
             q,
-            k_cache,
-            v_cache,
+            storage.k,
+            storage.v,
             table,
             batch.rows_t,
             batch.q_starts_t,
@@ -56,6 +58,7 @@ class TritonBackend(AttentionBackend):
             out,
             max_q_len=max(batch.q_lens),
             window=window,
+            **scales,
         )
         if window is None and batch.sparse.select_views is not None and 1 in batch.q_lens:
             self._single_query_views(layer, q, batch, scale, out)
@@ -68,7 +71,7 @@ class TritonBackend(AttentionBackend):
                 # the view's keys for every query head (512 MiB at 32K tokens).
                 view_slots = table[batch.rows[i]]
                 mass = window_attention_mass(
-                    q_i, k_cache, view_slots, batch.view_lens[group][i], scale
+                    q_i, storage, view_slots, batch.view_lens[group][i], scale
                 )
                 batch.sparse.put_scores(layer, i, mass)
         return out
@@ -102,10 +105,11 @@ class TritonBackend(AttentionBackend):
             scores = torch.empty(
                 (q.shape[0], q.shape[1], table.shape[-1]), dtype=torch.float32, device=q.device
             )
+        storage = self.storage[layer]
         decode_attention(
             q,
-            self.k_cache[layer],
-            self.v_cache[layer],
+            storage.k,
+            storage.v,
             table,
             batch.rows_t,
             batch.view_lens_t[group],
@@ -115,6 +119,8 @@ class TritonBackend(AttentionBackend):
             subset_lens=subset_lens,
             scores_out=scores,
             window=window,
+            k_scale=storage.k_scale,
+            v_scale=storage.v_scale,
         )
         if scores is not None:
             self._keep_scores(layer, scores, want, batch)
@@ -143,10 +149,11 @@ class TritonBackend(AttentionBackend):
         group = batch.group_of_layer[layer]
         q_one = q_last[ones_t]  # [R, Hq, D]
         res = torch.empty_like(q_one)
+        storage = self.storage[layer]
         decode_attention(
             q_one,
-            self.k_cache[layer],
-            self.v_cache[layer],
+            storage.k,
+            storage.v,
             batch.tables[group],
             batch.rows_t[ones_t],
             batch.view_lens_t[group][ones_t],
@@ -154,6 +161,8 @@ class TritonBackend(AttentionBackend):
             res,
             subset=subset[ones_t],
             subset_lens=lens[ones_t],
+            k_scale=storage.k_scale,
+            v_scale=storage.v_scale,
         )
         out[last_t[ones_t]] = res
 

@@ -262,6 +262,7 @@ class LLMEngine:
             "kv_slots_peak": self.pool.peak_used,
             "kv_slots_used_per_layer": self.pool.used_per_layer(),
             "kv_bytes_per_slot": self.runner.kv_bytes_per_slot,
+            "kv_cache_dtype": self.runner.kv_format.name,
             "num_preemptions": st.num_preemptions,
             "num_prefill_tokens_computed": st.num_prefill_tokens_computed,
             "num_decode_tokens_computed": st.num_decode_tokens_computed,

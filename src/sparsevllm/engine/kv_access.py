@@ -2,7 +2,9 @@
 
 Every eviction goes through `keep` / `keep_per_head`, which also record the logical
 position of each kept entry (`ViewPositions`) for pruning and the disk tier. Evictions
-change only the pool; its change record brings the device slot tables up to date.
+change only the pool; its change record brings the device slot tables up to date. Keys
+are read dequantized from the layer's storage format; per-head compaction moves stored
+bytes with their scales (exact in every format).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.view_positions import ViewPositions
+from sparsevllm.kv.format import KVStorage
 from sparsevllm.upload import upload
 
 
@@ -22,19 +25,17 @@ class RunnerKV:
     def __init__(
         self,
         pool: KVPool,
-        k_cache: list[torch.Tensor],
-        v_cache: list[torch.Tensor],
+        storage: list[KVStorage],
         tables: DeviceSlotTables | None = None,
         rows: SlotRows | None = None,
     ) -> None:
         self.pool = pool
         self.tables = tables
         self.rows = rows
-        self.k_cache = k_cache
-        self.v_cache = v_cache
-        self.num_layers = len(k_cache)
-        self.num_kv_heads = k_cache[0].shape[1]
-        self.device = k_cache[0].device
+        self.storage = storage  # per layer
+        self.num_layers = len(storage)
+        self.num_kv_heads = storage[0].num_kv_heads
+        self.device = storage[0].device
         self.positions = ViewPositions(self.num_kv_heads, self.device)
 
     def _table(self, seq_id: int, layer: int) -> list[int]:
@@ -56,7 +57,7 @@ class RunnerKV:
         return self._table(seq_id, layer)[start:end]
 
     def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.k_cache[layer][slots]  # [..., Hkv, D]
+        return self.storage[layer].read_keys(slots)  # [..., Hkv, D]
 
     def _view_tensor(self, seq_id: int, layer: int) -> torch.Tensor:
         """A view's slot ids on the device `[L]`: the slot-table row when it is in sync
@@ -71,7 +72,7 @@ class RunnerKV:
 
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         slots = self._view_tensor(seq_id, layer)[start:end].long()
-        return self.k_cache[layer][slots]  # [n, Hkv, D]
+        return self.storage[layer].read_keys(slots)  # [n, Hkv, D]
 
     def logical_positions(self, seq_id: int, group: int) -> torch.Tensor:
         """`[num_kv_heads, L]`: the token each entry of a group's view holds, per head."""
@@ -95,14 +96,9 @@ class RunnerKV:
             return
         table = self._view_tensor(seq_id, layer).long()  # [L]
         self.positions.on_keep(seq_id, group, table.shape[0], positions)
-        heads = torch.arange(positions.shape[0], device=self.device)
         src = table[positions].t()  # [B, Hkv]: head h's j-th token lives in slot src[j, h]
-        k_new = self.k_cache[layer][src, heads]  # [B, Hkv, D] (a copy)
-        v_new = self.v_cache[layer][src, heads]
         # The first B slots of the view become the compacted rows; the rest are freed
         # (the device row's first B entries stay as they are).
         n = positions.shape[1]
-        dst = table[:n]
-        self.k_cache[layer][dst] = k_new
-        self.v_cache[layer][dst] = v_new
+        self.storage[layer].compact_heads(src, table[:n])
         self.pool.truncate_view(seq_id, group, n)

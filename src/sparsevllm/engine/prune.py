@@ -101,12 +101,13 @@ class RunnerPruner:
 
     def keep_shared(self, slots: list[int], positions: list[int], spec: PruneSpec) -> list[int]:
         runner, cfg, method = self.runner, self.config, spec.method
-        device = runner.k_cache[0].device
+        device = runner.device
         index = upload(slots, torch.long, device)
         logical = upload(positions, torch.int32, device)
         logical = logical.expand(runner.num_kv_heads, -1)  # [Hkv, L]: shared by all heads
         scores = [
-            score_entries(method, runner.k_cache[layer][index], logical, cfg)  # keys [L, Hkv, D]
+            # keys [L, Hkv, D], dequantized
+            score_entries(method, runner.kv_storage[layer].read_keys(index), logical, cfg)
             for layer in self.pool.layer_groups[0]
         ]
         keep = select_keep(combine(scores), logical[:1], spec.ranges, spec.keep_ratio)

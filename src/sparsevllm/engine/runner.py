@@ -20,7 +20,8 @@ from sparsevllm.engine.kv_pool import KVPool, WindowGroup
 from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.step_plan import StepPlan
-from sparsevllm.kv.format import kv_zeros
+from sparsevllm.kv.format import KVFormat, KVStorage
+from sparsevllm.kv.registry import check_device, get_format
 from sparsevllm.layers.sampler import SampledTokens, Sampler, SamplerOutput, make_generator
 from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model
@@ -30,6 +31,7 @@ from sparsevllm.sparse.spec import DecodeViews
 from sparsevllm.upload import upload
 
 logger = logging.getLogger(__name__)
+_MODEL_DTYPE = get_format("auto")
 
 
 class CausalLM(Protocol):
@@ -74,16 +76,19 @@ class ModelRunner:
         self.method = create_method(
             config, self.num_layers, self.num_kv_heads, managed if sliding else None
         )
+        self.kv_format = get_format(config.kv_cache_dtype)
+        check_device(self.kv_format, self.device)
         self.num_slots = self._decide_num_slots()
-        self.k_cache, self.v_cache = [], []
+        self.kv_storage: list[KVStorage] = []
         for layer in range(self.num_layers):
             rows = next((w.num_slots for w in self.window_groups if layer in w.layers), None)
-            shape = (rows or self.num_slots, self.num_kv_heads, self.head_dim)
-            self.k_cache.append(kv_zeros(shape, self.dtype, self.device))
-            self.v_cache.append(kv_zeros(shape, self.dtype, self.device))
-        self.backend = get_backend_class(default_backend_name(self.device))(
-            self.k_cache, self.v_cache
-        )
+            # Window groups are sized to the window (a few MB): they keep the model dtype.
+            fmt = self.kv_format if rows is None else _MODEL_DTYPE
+            storage = fmt.create(
+                rows or self.num_slots, self.num_kv_heads, self.head_dim, self.dtype, self.device
+            )
+            self.kv_storage.append(storage)
+        self.backend = get_backend_class(default_backend_name(self.device))(self.kv_storage)
         if windowed:
             logger.info(
                 "sliding-window layers %s keep their last window - 1 tokens (%s slots)",
@@ -98,23 +103,24 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator | None] = {}
         logger.info(
-            "KV pool: %d slots/layer x %d layers (%.2f GiB, %s on %s)",
+            "KV pool: %d slots/layer x %d layers (%.2f GiB, kv_cache_dtype %s, %s on %s)",
             self.num_slots,
             self.num_layers,
             self.kv_bytes_per_slot * self.num_slots / 2**30,
+            self.kv_format.name,
             self.dtype,
             self.device,
         )
 
     @property
     def kv_bytes_per_slot(self) -> int:
-        """Bytes of one token's K and V over all layers."""
-        return self.num_layers * self._layer_bytes_per_slot
+        """Bytes of one token's K and V over all layers, in the stored form (quantized
+        elements and their scales)."""
+        return sum(storage.bytes_per_slot() for storage in self.kv_storage)
 
-    @property
-    def _layer_bytes_per_slot(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_kv_heads * self.head_dim * elem
+    def _layer_bytes(self, fmt: KVFormat) -> int:
+        """Bytes of one token's K and V at one layer stored in `fmt`."""
+        return fmt.bytes_per_slot(self.num_kv_heads, self.head_dim, self.dtype)
 
     def _sliding_layers(self) -> list[tuple[int, int]]:
         """(layer, window) of the model's sliding-window layers."""
@@ -164,12 +170,12 @@ class ModelRunner:
         else:
             budget = 0.0  # the CPU default below
         # Window groups have fixed sizes; the main layers share what is left.
-        window_bytes = sum(
-            w.num_slots * len(w.layers) * self._layer_bytes_per_slot for w in self.window_groups
-        )
+        window_layer = self._layer_bytes(_MODEL_DTYPE)
+        window_bytes = sum(w.num_slots * len(w.layers) * window_layer for w in self.window_groups)
         main_layers = self.num_layers - sum(len(w.layers) for w in self.window_groups)
-        main_bytes: float = max(main_layers, 1) * self._layer_bytes_per_slot
-        main_bytes += self.method.state_bytes_per_slot(self._layer_bytes_per_slot)
+        main_bytes: float = max(main_layers, 1) * self._layer_bytes(self.kv_format)
+        # Method state (Quest's page bounds) holds dequantized keys: the model dtype's size.
+        main_bytes += self.method.state_bytes_per_slot(self._layer_bytes(_MODEL_DTYPE))
         if cfg.kv_cache_memory_gb is None and self.device.type != "cuda":
             # Enough for every sequence at full length, but never more than 1 GiB.
             budget = window_bytes + self.capacity.cpu_kv_bytes(main_bytes)
@@ -189,8 +195,7 @@ class ModelRunner:
     def free_device_memory(self, weights: bool = False) -> None:
         """Drop the KV pool and captured graphs, and the weights too if asked (the engine
         is unusable afterwards); used before another engine runs in the same process."""
-        self.k_cache.clear()
-        self.v_cache.clear()
+        self.kv_storage.clear()
         self.method.free_device_memory()
         self.graphs = None
         del self.backend
@@ -282,7 +287,7 @@ class ModelRunner:
         self.pool = pool
         self.rows = rows
         self.tables = DeviceSlotTables(pool.num_groups, rows.num_rows, rows.max_len, self.device)
-        self.kv = RunnerKV(pool, self.k_cache, self.v_cache, self.tables, rows)
+        self.kv = RunnerKV(pool, self.kv_storage, self.tables, rows)
         self.graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager:
             graphs = DecodeGraphs(self, self.capacity.graph_max_batch)

@@ -81,5 +81,5 @@ def build_tiers(
             )
     if cpu is None and disk is None:
         return None
-    kv = KVRows(runner.k_cache, runner.v_cache, pool.group_of_layer)
+    kv = KVRows(runner.kv_storage, pool.group_of_layer)
     return TierStack(pool, kv, cpu, disk, state)

@@ -2,10 +2,7 @@
 
 Every format keeps its buffers slot-major (`[num_slots, num_kv_heads, ...]`), so the
 pool's operations (per-head compaction, radix sharing, host and disk tiers) move one
-token's bytes by moving one row of every buffer, whatever the format. See format.py.
+token's bytes by moving one row of every buffer, whatever the format. See format.py
+(the interface), registry.py (the formats) and names.py (their names, torch-free, for
+the config).
 """
-
-from sparsevllm.kv.format import KVFormat, KVStorage
-from sparsevllm.kv.registry import KV_FORMATS, check_device, format_names, get_format
-
-__all__ = ["KV_FORMATS", "KVFormat", "KVStorage", "check_device", "format_names", "get_format"]

@@ -22,6 +22,14 @@ class DenseStorage(KVStorage):
         self.k = kv_zeros(shape, dtype, device)
         self.v = kv_zeros(shape, dtype, device)
 
+    @classmethod
+    def wrap(cls, k: torch.Tensor, v: torch.Tensor) -> DenseStorage:
+        """A storage over existing `[num_slots, Hkv, D]` tensors (harnesses, benchmarks)."""
+        storage = cls.__new__(cls)
+        KVStorage.__init__(storage, MODEL_DTYPE, k.dtype)
+        storage.k, storage.v = k, v
+        return storage
+
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         keep = slots >= 0
         if not bool(keep.all()):

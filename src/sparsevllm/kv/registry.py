@@ -1,28 +1,22 @@
-"""The `kv_cache_dtype` names and their formats."""
+"""The `kv_cache_dtype` formats by name."""
 
 from __future__ import annotations
-
-import difflib
 
 import torch
 
 from sparsevllm.kv.dense import MODEL_DTYPE
 from sparsevllm.kv.format import KVFormat
+from sparsevllm.kv.names import FORMAT_NAMES, check_format_name
 from sparsevllm.kv.scaled import FP8_E4M3, INT8
 
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (MODEL_DTYPE, FP8_E4M3, INT8)}
-
-
-def format_names() -> list[str]:
-    return list(KV_FORMATS)
+if tuple(KV_FORMATS) != FORMAT_NAMES:
+    raise ImportError(f"kv/names.py lists {FORMAT_NAMES}, the registry {tuple(KV_FORMATS)}")
 
 
 def get_format(name: str) -> KVFormat:
     """The format named `name`; an unknown name fails with the closest valid one."""
-    if name not in KV_FORMATS:
-        close = difflib.get_close_matches(name, list(KV_FORMATS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown kv_cache_dtype {name!r}{hint} (valid: {', '.join(KV_FORMATS)})")
+    check_format_name(name)
     return KV_FORMATS[name]
 
 

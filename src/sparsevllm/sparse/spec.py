@@ -148,6 +148,8 @@ class MethodSpec:
     - `chain_cache`: evicted state can continue a conversation (the chain cache).
     - `prune_scorer`: how the method scores a cached history's tokens when it serves
       as the scorer of `LLM.prune` (None: it cannot).
+    - `kv_formats`: the `kv_cache_dtype` names whose storage the method can serve
+      (None: every format; a method that reads stored bytes itself would list its own).
 
     How the method uses decode views (`decode_views`) is read from its class, which
     declares it beside the select_views it describes.
@@ -164,6 +166,7 @@ class MethodSpec:
     prefix_cache: bool = False
     chain_cache: bool = False
     prune_scorer: PruneScorer | None = None
+    kv_formats: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

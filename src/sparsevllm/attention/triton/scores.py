@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from sparsevllm.kv.format import KVStorage
+
 
 def window_attention_mass(
     q_rows: torch.Tensor,  # [r, Hq, D] the view's last r queries
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    storage: KVStorage,  # the layer's KV (keys are read dequantized)
     view_slots: torch.Tensor,  # [>= view_len] slot ids of the view (e.g. table[row])
     view_len: int,
     scale: float,
@@ -25,7 +27,7 @@ def window_attention_mass(
     Query i is the view's entry view_len - r + i and sees positions <= that entry.
     """
     r, num_q_heads, head_dim = q_rows.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = storage.num_kv_heads
     group = num_q_heads // num_kv_heads
     slots = view_slots[:view_len].long()  # [L]
     device = q_rows.device
@@ -33,7 +35,7 @@ def window_attention_mass(
     hidden = torch.arange(view_len, device=device).unsqueeze(0) > rows  # [r, L] future keys
     out = torch.empty((num_q_heads, view_len), dtype=torch.float32, device=device)
     for h in range(num_kv_heads):
-        keys = k_cache[slots, h].float()  # [L, D]
+        keys = storage.read_head_keys(slots, h).float()  # [L, D]
         qh = q_rows[:, h * group : (h + 1) * group].float()  # [r, G, D]
         logits = torch.einsum("rgd,ld->grl", qh, keys) * scale  # [G, r, L]
         logits.masked_fill_(hidden, float("-inf"))
@@ -42,7 +44,7 @@ def window_attention_mass(
 
 
 def quest_page_minmax(
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    storage: KVStorage,  # the layer's KV (keys are read dequantized)
     table: torch.Tensor,  # [num_rows, max_len] int32 slot ids
     row: int,
     start_page: int,
@@ -54,12 +56,12 @@ def quest_page_minmax(
     Page p covers view positions [p * page_size, (p + 1) * page_size); all must be full.
     """
     num_pages = end_page - start_page
-    _, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = storage.num_kv_heads, storage.head_dim
     if num_pages <= 0:
-        empty = k_cache.new_empty((0, num_kv_heads, head_dim), dtype=torch.float32)
+        empty = torch.empty((0, num_kv_heads, head_dim), dtype=torch.float32, device=storage.device)
         return empty, empty.clone()
     slots = table[row, start_page * page_size : end_page * page_size].long()  # [P * size]
-    keys = k_cache[slots].float().view(num_pages, page_size, num_kv_heads, head_dim)
+    keys = storage.read_keys(slots).float().view(num_pages, page_size, num_kv_heads, head_dim)
     return keys.amin(dim=1), keys.amax(dim=1)
 
 

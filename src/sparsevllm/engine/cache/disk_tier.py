@@ -2,8 +2,9 @@
 kept across restarts.
 
 Files live in `disk_offload_dir/<fingerprint digest>/`. The fingerprint names what
-shapes the KV bytes (format version, model identity, dtype, layers, KV heads, head dim,
-layer groups, sparse method and its knobs, and which store wrote them); an engine only
+shapes the KV bytes (format version, model identity, dtype, KV storage format, layers,
+KV heads, head dim, layer groups, sparse method and its knobs, and which store wrote
+them); an engine only
 ever reads its own directory and checks every file's recorded fingerprint again on
 start, so KV written by another model, configuration or format is never used. A file is
 written to `*.tmp`, synced, renamed and the directory synced, so a crash (even SIGKILL
@@ -16,7 +17,8 @@ request field ever becomes a path. A disk that is full, read-only or gone degrad
 tier: the entry is not kept (one warning says why, and again after a write succeeds),
 and serving goes on.
 
-A file holds the entry's logical tokens, its K/V rows per layer (view order), the
+A file holds the entry's logical tokens, its KV rows per layer (view order; every
+buffer of the storage format, in the stored form), the
 per-entry device state the stack adds (a chain's view positions and method state) and
 JSON metadata: the fingerprint, the entry's name, rows per pool group, when it was
 written and the store's own fields.
@@ -52,7 +54,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # 2: one layout for both stores (rows, "state", the entry's "name" in the metadata).
-FORMAT_VERSION = 2
+# 3: rows per layer are the storage format's buffers by name ("rows"), not "k" and "v".
+FORMAT_VERSION = 3
 
 
 def kv_fingerprint(
@@ -67,6 +70,7 @@ def kv_fingerprint(
         # Dummy weights come from the seed.
         "weights_seed": config.seed if source.load_format == "dummy" else None,
         "dtype": str(runner.dtype),
+        "kv_cache_dtype": runner.kv_format.name,
         "num_layers": runner.num_layers,
         "num_kv_heads": runner.num_kv_heads,
         "head_dim": runner.head_dim,
@@ -97,10 +101,11 @@ class CorruptEntry(ValueError):
     """A disk tier file that cannot be read back as written (truncated, damaged)."""
 
 
-def payload_digest(tokens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> str:
-    """A digest of an entry's tokens and K/V bytes (what a torn or damaged file changes)."""
+def payload_digest(tokens: torch.Tensor, rows: HostRows) -> str:
+    """A digest of an entry's tokens and KV bytes (what a torn or damaged file changes)."""
     h = hashlib.blake2b(digest_size=16)
-    for t in [tokens, *k, *v]:
+    tensors = [tokens] + [layer[name] for layer in rows for name in sorted(layer)]
+    for t in tensors:
         h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -181,16 +186,15 @@ class DiskTier:
         stem = hashlib.sha256(record.name.encode()).hexdigest()[:32]
         path, tmp = self.dir / f"{stem}.pt", self.dir / f"{stem}.tmp"
         tokens = torch.tensor(record.tokens, dtype=torch.long)
-        k, v = [k for k, _ in rows], [v for _, v in rows]  # per layer [n, Hkv, D], view order
         meta = {
             **record.meta,
             "fingerprint": self.fingerprint,
             "name": record.name,
             "counts": counts,
             "saved_at": time.time(),
-            "digest": payload_digest(tokens, k, v),
+            "digest": payload_digest(tokens, rows),
         }
-        payload = {"tokens": tokens, "k": k, "v": v, "state": state, "meta": json.dumps(meta)}
+        payload = {"tokens": tokens, "rows": rows, "state": state, "meta": json.dumps(meta)}
         try:
             nbytes = _write_synced(tmp, payload)
             if nbytes > self.capacity_bytes:
@@ -230,15 +234,15 @@ class DiskTier:
         try:
             data = torch.load(entry.path, map_location="cpu", weights_only=True)
             meta = json.loads(data["meta"])
-            k, v = list(data["k"]), list(data["v"])
-            digest = payload_digest(data["tokens"], k, v)
+            rows = cast(HostRows, list(data["rows"]))
+            digest = payload_digest(data["tokens"], rows)
         except Exception as e:  # truncated, unreadable, gone
             raise CorruptEntry(f"{entry.path.name} cannot be read: {e}") from e
-        if digest != meta.get("digest") or len(k) != len(v):
+        if digest != meta.get("digest"):
             raise CorruptEntry(f"{entry.path.name} does not hold what was written")
-        if any(len(t) not in entry.counts for t in k + v):
+        if any(len(t) not in entry.counts for layer in rows for t in layer.values()):
             raise CorruptEntry(f"{entry.path.name} has rows for other slot counts")
-        return list(zip(k, v)), cast(StatePayload, data["state"])
+        return rows, cast(StatePayload, data["state"])
 
     def drop(self, key: int) -> None:
         entry = self._entries.pop(key, None)

@@ -1,9 +1,11 @@
-"""Copying KV rows between the pool's tensors and host memory, for the tier stack.
+"""Copying KV rows between the pool's storage and host memory, for the tier stack.
 
 An entry's KV is addressed per pool group: `slots[g]` lists its slots in group g, in
 view order, and every layer of the group reads rows at those slots. Host copies keep,
-per layer, `(K, V)` of shape `[len(slots[g]), Hkv, D]` in the same order, so writing
-them back to new slots in that order restores the view bit-identically.
+per layer, every buffer of the layer's storage format by name (`k`, `v`, and the
+scales of a quantized format), each `[len(slots[g]), Hkv, ...]` in the same order and
+in the stored form, so writing them back to new slots in that order restores the view
+bit-identically and a quantized entry moves only its quantized bytes.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from typing import Protocol
 
 import torch
 
+from sparsevllm.kv.format import KVStorage
 from sparsevllm.upload import upload
 
-# An entry's KV off the device: per layer (K, V), each `[rows, Hkv, D]` in view order.
-HostRows = list[tuple[torch.Tensor, torch.Tensor]]
+# An entry's KV off the device: per layer, buffer name -> `[rows, Hkv, ...]` in view order.
+HostRows = list[dict[str, torch.Tensor]]
 # Per-entry device state besides the rows, as host tensors and plain values that
 # `torch.save` writes (a chain's view positions and method state).
 StatePayload = dict[str, object]
@@ -35,48 +38,42 @@ class KVBytes(Protocol):
 
 
 class KVRows:
-    """`KVBytes` over the runner's per-layer K/V tensors `[num_slots, Hkv, D]`."""
+    """`KVBytes` over the runner's per-layer storage (any format)."""
 
-    def __init__(
-        self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], group_of_layer: list[int]
-    ) -> None:
-        self.k_cache = k_cache
-        self.v_cache = v_cache
+    def __init__(self, storage: list[KVStorage], group_of_layer: list[int]) -> None:
+        self.storage = storage
         self.group_of_layer = group_of_layer
 
     def _index(self, slots: list[list[int]]) -> list[torch.Tensor]:
         """Device slot ids per group (one conversion per group, not per layer: a group
         may hold every layer)."""
-        device = self.k_cache[0].device
+        device = self.storage[0].device
         return [upload(s, torch.long, device) for s in slots]
 
     def gather(self, slots: list[list[int]], pin: bool) -> HostRows:
         index = self._index(slots)
         rows = []
-        for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
+        for layer, storage in enumerate(self.storage):
             at = index[self.group_of_layer[layer]]
-            rows.append((to_host(k[at], pin), to_host(v[at], pin)))
-        if self.k_cache[0].is_cuda:
-            torch.cuda.synchronize(self.k_cache[0].device)  # the copies must land before reuse
+            rows.append({n: to_host(t, pin) for n, t in storage.gather_rows(at).items()})
+        if self.storage[0].device.type == "cuda":
+            torch.cuda.synchronize(self.storage[0].device)  # the copies must land before reuse
         return rows
 
     def scatter(self, slots: list[list[int]], rows: HostRows) -> None:
         index = self._index(slots)
-        for layer, (k, v) in enumerate(rows):
-            at = index[self.group_of_layer[layer]]
-            self.k_cache[layer][at] = k.to(self.k_cache[layer].device)
-            self.v_cache[layer][at] = v.to(self.v_cache[layer].device)
+        for layer, layer_rows in enumerate(rows):
+            self.storage[layer].scatter_rows(index[self.group_of_layer[layer]], layer_rows)
 
     def nbytes(self, counts: list[int]) -> int:
-        total = 0
-        for layer, k in enumerate(self.k_cache):
-            row = k[0].numel() * k.element_size() * 2  # K and V
-            total += counts[self.group_of_layer[layer]] * row
-        return total
+        return sum(
+            counts[self.group_of_layer[layer]] * storage.bytes_per_slot()
+            for layer, storage in enumerate(self.storage)
+        )
 
 
 def rows_nbytes(rows: HostRows) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in rows)
+    return sum(t.numel() * t.element_size() for layer in rows for t in layer.values())
 
 
 def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
