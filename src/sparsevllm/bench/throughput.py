@@ -210,6 +210,8 @@ def measure(
     return {
         "model": args._model_name,
         "dtype": str(runner.dtype).replace("torch.", ""),
+        "kv_cache_dtype": runner.kv_format.name,
+        "kv_bytes_per_slot": runner.kv_bytes_per_slot,
         "device": torch.cuda.get_device_name(runner.device)
         if runner.device.type == "cuda"
         else "cpu",

@@ -43,6 +43,13 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ),
     ("kv_cache_usage_ratio", "gauge", "kv_usage_ratio", "Fraction of KV slots in use."),
     (
+        "kv_cache_bytes_per_slot",
+        "gauge",
+        "kv_bytes_per_slot",
+        "Bytes of one token's KV over all layers, as stored (kv_cache_dtype: quantized "
+        "elements plus their scales).",
+    ),
+    (
         "idle_chains",
         "gauge",
         "idle_chains",
