@@ -18,7 +18,7 @@ from sparsevllm.kv.scaled import QMAX
 # 1.5 * 2**23: adding and subtracting it rounds a float32 |y| < 2**22 to an integer, half
 # to even (the sum's ulp is 1 and rounds to nearest even). Plain IEEE adds, so the
 # interpreter and the GPU agree, where libdevice.rint has no interpreter version.
-_ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
