@@ -116,8 +116,9 @@ def run_decode(
     """Decode over a quantized pool, checked against the reference; returns the reference
     output, the positional arguments and the scales."""
     num_q_heads, num_kv_heads = heads
-    pool = make_pool(DECODE_LENS, num_kv_heads, element, seed)
-    k, v, k_scale, v_scale, table, rows, view_lens = pool
+    k, v, k_scale, v_scale, table, rows, view_lens = make_pool(
+        DECODE_LENS, num_kv_heads, element, seed
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(DECODE_LENS), num_q_heads, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
     scale = HEAD_DIM**-0.5
