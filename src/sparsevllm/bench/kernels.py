@@ -6,6 +6,8 @@
   views over randomly permuted slots, for 1 split, the automatic choice and a sweep;
   compared with the byte floor = K+V bytes read / device-to-device copy bandwidth
   (measured here with a large torch copy, counting bytes read + written).
+  `--kv-cache-dtype fp8_e4m3|int8` times the decode benchmarks on a quantized cache;
+  its floor counts the 1-byte elements plus the float32 per-token, per-head scales.
 * Prefill: one 32K-token prompt (chunk = whole prompt) vs torch SDPA(is_causal=True)
   on contiguous q/k/v of the same shapes.
 
@@ -25,6 +27,8 @@ from triton.testing import do_bench
 
 from sparsevllm.attention import torch_ref
 from sparsevllm.attention.triton import auto_num_splits, decode_attention, prefill_attention
+from sparsevllm.kv import KVFormat, check_device, format_names, get_format
+from sparsevllm.kv.scaled import dequantize, quantize
 
 DTYPE = torch.bfloat16
 HQ, HKV, D = 32, 8, 128
@@ -46,12 +50,38 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def bench_decode(device: torch.device, bw: float, batch: int, ctx: int) -> dict[str, Any]:
+KVCache = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]
+
+
+def make_kv(
+    num_slots: int, device: torch.device, fmt: KVFormat, gen: torch.Generator | None = None
+) -> KVCache:
+    """Random K and V caches `[num_slots, Hkv, D]` in `fmt`, the scale keywords the
+    kernels take with them (none for the model dtype) and the bytes of one full read
+    (elements plus scales)."""
+    k = torch.randn(num_slots, HKV, D, device=device, dtype=DTYPE, generator=gen)
+    v = torch.randn(num_slots, HKV, D, device=device, dtype=DTYPE, generator=gen)
+    nbytes = num_slots * fmt.bytes_per_slot(HKV, D, DTYPE)
+    if fmt.element_dtype is None:
+        return k, v, {}, nbytes
+    (k, k_scale), (v, v_scale) = quantize(k, fmt.element_dtype), quantize(v, fmt.element_dtype)
+    return k, v, dict(k_scale=k_scale, v_scale=v_scale), nbytes
+
+
+def kv_values(cache: torch.Tensor, scale: torch.Tensor | None, view: torch.Tensor) -> torch.Tensor:
+    """float32 values of `cache` at slot ids `view` `[L]`: `[L, Hkv, D]`."""
+    if scale is None:
+        return cache[view].float()
+    return dequantize(cache[view], scale[view], torch.float32)
+
+
+def bench_decode(
+    device: torch.device, bw: float, batch: int, ctx: int, fmt: KVFormat
+) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     num_slots = batch * ctx
     # [num_slots, Hkv, D] each; views are a random permutation: no two neighbours adjacent.
-    k_cache = torch.randn(num_slots, HKV, D, device=device, dtype=DTYPE, generator=gen)
-    v_cache = torch.randn(num_slots, HKV, D, device=device, dtype=DTYPE, generator=gen)
+    k_cache, v_cache, scales, kv_bytes = make_kv(num_slots, device, fmt, gen)
     perm = torch.randperm(num_slots, device=device, generator=gen).to(torch.int32)
     table = perm.view(batch, ctx).contiguous()  # [batch, ctx]
     rows = torch.arange(batch, dtype=torch.int32, device=device)
@@ -61,17 +91,16 @@ def bench_decode(device: torch.device, bw: float, batch: int, ctx: int) -> dict[
     scale = D**-0.5
 
     def run(**kw: Any) -> None:
-        decode_attention(q, k_cache, v_cache, table, rows, lens, scale, out, **kw)
+        decode_attention(q, k_cache, v_cache, table, rows, lens, scale, out, **scales, **kw)
 
     run(num_splits=None)
     errs = []
     for s in (0, batch // 2, batch - 1):
         view = table[s].long()
-        ref = torch_ref.attend(
-            q[s : s + 1].float(), k_cache[view].float(), v_cache[view].float(), scale
-        )
+        k = kv_values(k_cache, scales.get("k_scale"), view)
+        v = kv_values(v_cache, scales.get("v_scale"), view)
+        ref = torch_ref.attend(q[s : s + 1].float(), k, v, scale)
         errs.append(rel_err(out[s], ref[0]))
-    kv_bytes = 2 * num_slots * HKV * D * k_cache.element_size()
     floor_ms = kv_bytes / bw * 1e3
     auto = auto_num_splits(batch, HKV, ctx, device)
     results = []
@@ -98,6 +127,7 @@ def bench_decode(device: torch.device, bw: float, batch: int, ctx: int) -> dict[
     return dict(
         batch=batch,
         ctx=ctx,
+        kv_cache_dtype=fmt.name,
         kv_bytes=kv_bytes,
         floor_ms=floor_ms,
         auto_splits=auto,
@@ -118,55 +148,62 @@ def graph_ms(fn: Any) -> float:
     return median_ms(graph.replay)
 
 
-def bench_decode_small(device: torch.device, bw: float, ctx: int) -> list[dict[str, Any]]:
+def bench_decode_small(
+    device: torch.device, bw: float, ctx: int, fmt: KVFormat
+) -> list[dict[str, Any]]:
     """Small batches, where splits matter and host overhead would hide the kernels."""
     results = []
     for batch in (1, 8):
         num_slots = batch * ctx
-        k_cache = torch.randn(num_slots, HKV, D, device=device, dtype=DTYPE)
-        v_cache = torch.randn_like(k_cache)
+        k_cache, v_cache, scales, kv_bytes = make_kv(num_slots, device, fmt)
         table = torch.randperm(num_slots, device=device).to(torch.int32).view(batch, ctx)
         rows = torch.arange(batch, dtype=torch.int32, device=device)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         q = torch.randn(batch, HQ, D, device=device, dtype=DTYPE)  # [B, Hq, D]
         out = torch.empty_like(q)
-        row = dict(batch=batch, floor_ms=2 * k_cache.numel() * 2 / bw * 1e3)
+        row = dict(batch=batch, floor_ms=kv_bytes / bw * 1e3)
         row["auto_splits"] = auto_num_splits(batch, HKV, ctx, device)
         for name, splits in (("one_split_ms", 1), ("auto_ms", None)):
             args = (q, k_cache, v_cache, table, rows, lens, D**-0.5, out)
-            row[name] = graph_ms(functools.partial(decode_attention, *args, num_splits=splits))
+            fn = functools.partial(decode_attention, *args, num_splits=splits, **scales)
+            row[name] = graph_ms(fn)
         results.append(row)
     return results
 
 
-def bench_split_sweep(device: torch.device, bw: float, shape: str) -> dict[str, Any]:
+def bench_split_sweep(device: torch.device, bw: float, shape: str, fmt: KVFormat) -> dict[str, Any]:
     """Decode at `BATCHxCTX` (CUDA-graph timed) for a range of split counts: how far the
     automatic choice is from the best one at engine-like shapes."""
     batch, ctx = (int(x) for x in shape.lower().split("x"))
     num_slots = batch * ctx
-    k_cache = torch.randn(num_slots, HKV, D, device=device, dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache, scales, kv_bytes = make_kv(num_slots, device, fmt)
     # Contiguous views, as the engine's free list mostly hands out.
     table = torch.arange(num_slots, device=device, dtype=torch.int32).view(batch, ctx)
     rows = torch.arange(batch, dtype=torch.int32, device=device)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(batch, HQ, D, device=device, dtype=DTYPE)  # [B, Hq, D]
     out = torch.empty_like(q)
-    floor_ms = 2 * k_cache.numel() * k_cache.element_size() / bw * 1e3
+    floor_ms = kv_bytes / bw * 1e3
     auto = auto_num_splits(batch, HKV, ctx, device)
     args = (q, k_cache, v_cache, table, rows, lens, D**-0.5, out)
-    result: dict[str, Any] = dict(shape=shape, floor_ms=floor_ms, auto_splits=auto)
+    result: dict[str, Any] = dict(
+        shape=shape, kv_cache_dtype=fmt.name, floor_ms=floor_ms, auto_splits=auto
+    )
     # Grid orders: KV heads fastest (the default) and sequences fastest (the old one).
     for order, heads_fastest in (("heads_fastest", True), ("seqs_fastest", False)):
         times = {}
         for splits in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, auto}):
             if splits * 256 <= ctx or splits == 1:
                 fn = functools.partial(
-                    decode_attention, *args, num_splits=splits, heads_fastest=heads_fastest
+                    decode_attention,
+                    *args,
+                    num_splits=splits,
+                    heads_fastest=heads_fastest,
+                    **scales,
                 )
                 times[splits] = graph_ms(fn)
         result[order] = dict(ms_by_splits=times, best_splits=min(times, key=times.get))
-    del k_cache, v_cache
+    del k_cache, v_cache, scales
     torch.cuda.empty_cache()
     return result
 
@@ -242,15 +279,24 @@ def main() -> None:
         help="comma-separated BATCHxCTX decode shapes to time for every split count "
         "(e.g. 24x32768,128x2112); alone, skips the other benchmarks",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=format_names(),
+        help="KV cache format of the decode benchmarks (prefill always reads bf16)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA GPU")
     device = torch.device("cuda")
+    fmt = get_format(args.kv_cache_dtype)
+    check_device(fmt, device)
     bw = copy_bandwidth(device)
     if args.split_sweep:
-        sweep = [bench_split_sweep(device, bw, sh) for sh in args.split_sweep.split(",")]
+        sweep = [bench_split_sweep(device, bw, sh, fmt) for sh in args.split_sweep.split(",")]
         for r in sweep:
-            print(f"decode {r['shape']}: floor {r['floor_ms']:.3f} ms, auto {r['auto_splits']}")
+            head = f"decode {r['shape']} ({fmt.name}): floor {r['floor_ms']:.3f} ms"
+            print(f"{head}, auto {r['auto_splits']}")
             for order in ("heads_fastest", "seqs_fastest"):
                 o = r[order]
                 cells = "  ".join(f"{k}:{v:.3f}" for k, v in o["ms_by_splits"].items())
@@ -259,8 +305,8 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(dict(copy_bw_tb_per_s=bw / 1e12, split_sweep=sweep), f, indent=2)
         return
-    dec = bench_decode(device, bw, args.batch, args.ctx)
-    small = bench_decode_small(device, bw, args.ctx)
+    dec = bench_decode(device, bw, args.batch, args.ctx, fmt)
+    small = bench_decode_small(device, bw, args.ctx, fmt)
     torch.cuda.empty_cache()
     pre = bench_prefill(device, args.prefill_len)
     result = dict(
@@ -276,7 +322,7 @@ def main() -> None:
             json.dump(result, f, indent=2)
     print(f"\n{result['device']}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
     print(
-        f"decode B={dec['batch']} ctx={dec['ctx']}: floor {dec['floor_ms']:.3f} ms, "
+        f"decode B={dec['batch']} ctx={dec['ctx']} ({fmt.name}): floor {dec['floor_ms']:.3f} ms, "
         f"auto splits {dec['auto_splits']}, max rel err {dec['max_rel_err']:.2e}"
     )
     print(f"  {'config':<40} {'ms':>8} {'TB/s':>6} {'floor/t':>8}")

@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from sparsevllm.kv.scaled import QMAX
+
 # log2(e): the kernels run their softmax in base 2 (exp2 is one MUFU instruction), so the
 # softmax scale is folded with log2(e) once on the host.
 LOG2E = 1.4426950408889634
@@ -48,6 +50,32 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a unit-stride last dimension, got {t.stride()}")
 
 
+def check_kv_scales(
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    k_scale: torch.Tensor | None,  # [num_slots, Hkv] float32
+    v_scale: torch.Tensor | None,  # [num_slots, Hkv] float32
+) -> bool:
+    """Whether the caches are quantized (int8 / float8_e4m3fn elements, see kv/scaled.py);
+    a quantized cache needs both scales, a model-dtype cache takes none."""
+    quantized = k_cache.dtype in QMAX or v_cache.dtype in QMAX
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(
+                f"k_scale/v_scale go with an int8 or float8_e4m3fn cache, not {k_cache.dtype}"
+            )
+        return False
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {k_cache.dtype} KV cache needs k_scale and v_scale")
+    want = tuple(k_cache.shape[:2])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s.dtype != torch.float32 or tuple(s.shape) != want:
+            raise ValueError(f"{name} must be float32 {list(want)}, got {s.dtype} {list(s.shape)}")
+    return True
+
+
 def check_attention_args(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
@@ -55,7 +83,8 @@ def check_attention_args(
     table: torch.Tensor,  # [num_rows, max_len]
     out: torch.Tensor,  # [T, Hq, D]
 ) -> torch.Tensor:
-    """Validate the arguments the attention launchers share; returns a unit-stride q."""
+    """Validate the arguments the attention launchers share; returns a unit-stride q.
+    (The scales of a quantized cache are checked by `check_kv_scales`.)"""
     if (
         q.shape[1] % k_cache.shape[1]
         or k_cache.shape[2] != q.shape[2]
@@ -95,3 +124,23 @@ def auto_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.d
     want = -(-PROGRAMS_PER_SM * num_sms(device) // base)  # ceil
     by_len = max(1, max_len // MIN_SPLIT_TOKENS)
     return max(1, min(want, by_len, MAX_SPLITS))
+
+
+ScaleArgs = tuple[torch.Tensor, torch.Tensor, int, int, int, int]
+
+
+def scale_launch_args(
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, dummy: torch.Tensor
+) -> ScaleArgs:
+    """K and V scale pointers and their (slot, head) strides, as the kernels take them;
+    without scales, `dummy` keeps the signature fixed (never read)."""
+    if k_scale is None or v_scale is None:
+        return dummy, dummy, 0, 0, 0, 0
+    return (
+        k_scale,
+        v_scale,
+        k_scale.stride(0),
+        k_scale.stride(1),
+        v_scale.stride(0),
+        v_scale.stride(1),
+    )

@@ -10,6 +10,10 @@ own token). Work is split three ways: sequence x KV head x split of the view.
   part writes its partial (max, sum, acc) to an fp32 workspace and a second kernel
   merges them. With one split the first kernel writes the output directly.
 * Sliding window (optional, no subset): only the last `window` view entries are read.
+* Quantized caches (int8 / float8_e4m3fn elements with per-token, per-head scales):
+  the elements are converted to the query's dtype in registers (exactly: int8 and e4m3
+  values fit bf16, fp16 and fp32), the dots run in that dtype, and the scales fold into
+  the logit columns (K) and the probabilities before P@V (V), not into every element.
 * Scores (optional): the first pass stores each tile's base-2 logits into `scores_out`
   and the merge writes each head's log-sum-exp; a third, elementwise kernel turns the
   logits into probabilities in place. Extra cost: S * Hq * max_len * 4 bytes written
@@ -29,9 +33,11 @@ from sparsevllm.attention.triton._common import (
     LOG2E,
     auto_num_splits,
     check_attention_args,
+    check_kv_scales,
     check_last_dim_contiguous,
     dot_precision,
     next_pow2,
+    scale_launch_args,
 )
 
 
@@ -51,6 +57,12 @@ def _decode_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     ws_acc_ptr,
     lse_ptr,
     scores_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_kss,
+    stride_ksh,
+    stride_vss,
+    stride_vsh,
     qk_scale,
     window,
     stride_qs,
@@ -77,6 +89,7 @@ def _decode_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     WRITE_SCORES: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Program (s, kv head, split): online softmax over one split of the view."""
     if HEADS_FASTEST:
@@ -122,7 +135,8 @@ def _decode_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_G, BLOCK_D]; padded heads are 0 -> finite logits, never stored
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not QUANT:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -130,6 +144,8 @@ def _decode_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     table_row = table_ptr + row * stride_tr
     k_base = k_cache_ptr + kvh * stride_kch
     v_base = v_cache_ptr + kvh * stride_vch
+    ks_base = k_scale_ptr + kvh * stride_ksh  # a dummy without QUANT, never read
+    vs_base = v_scale_ptr + kvh * stride_vsh
     # Every tile of [start, end) holds >= 1 valid key, so m_i is finite after the first.
     for j in range(start, end, BLOCK_N):
         offs = j + offs_n  # [BLOCK_N] indices into the effective sequence
@@ -146,7 +162,15 @@ def _decode_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
         k = tl.load(
             k_base + slot[:, None] * stride_kcs + offs_d[None, :], mask=kv_mask, other=0.0
         )  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if QUANT:
+            k = k.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_G, BLOCK_N]
+        if QUANT:
+            # Key n's scale scales logit column n. Masked: slot 0 pads invalid positions.
+            k_sc = tl.load(ks_base + slot * stride_kss, mask=valid, other=0.0)  # [BLOCK_N]
+            qk = qk * (k_sc * qk_scale)[None, :]
+        else:
+            qk = qk * qk_scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         if WRITE_SCORES:
             sc = scores_ptr + s.to(tl.int64) * stride_scs + heads[:, None] * stride_sch
@@ -158,7 +182,14 @@ def _decode_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
         v = tl.load(
             v_base + slot[:, None] * stride_vcs + offs_d[None, :], mask=kv_mask, other=0.0
         )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        if QUANT:
+            # Value n's scale scales probability column n (l_i keeps the unscaled sum).
+            v_sc = tl.load(vs_base + slot * stride_vss, mask=valid, other=0.0)  # [BLOCK_N]
+            pv = (p * v_sc[None, :]).to(q.dtype)
+            v = v.to(q.dtype)
+        else:
+            pv = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -261,6 +292,8 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     heads_fastest: bool = True,
+    k_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
+    v_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its view; writes and returns `out`.
 
@@ -275,10 +308,13 @@ def decode_attention(
     `num_splits=None` picks the split count from shapes (see `auto_num_splits`);
     `block_n`, `num_warps`, `num_stages` tune the split kernel; `heads_fastest=False`
     launches sequences as the fastest grid dimension (the old order, for benchmarks).
+    `k_scale`/`v_scale` go with (and only with) an int8 or float8_e4m3fn cache: value =
+    element * scale of its (slot, KV head), as kv.scaled.dequantize.
     """
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     q = check_attention_args(q, k_cache, v_cache, table, out)
+    quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if (subset is None) != (subset_lens is None):
         raise ValueError("subset and subset_lens go together")
     if window is not None and (subset is not None or window < 1):
@@ -340,6 +376,7 @@ def decode_attention(
         ws_acc,
         lse,
         scores_out,
+        *scale_launch_args(k_scale, v_scale, rows),
         float(scale) * LOG2E,
         int(window or 0),
         q.stride(0),
@@ -364,8 +401,10 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         HAS_SUBSET=has_subset,
         WRITE_SCORES=write_scores,
-        DOT_PREC=dot_precision(k_cache.dtype),
+        # A quantized cache's elements are converted to q's dtype: the dots run in it.
+        DOT_PREC=dot_precision(q.dtype if quantized else k_cache.dtype),
         HEADS_FASTEST=heads_fastest,
+        QUANT=quantized,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -1,4 +1,5 @@
-"""Scatter the new tokens' K/V into their KV-pool slots."""
+"""Scatter the new tokens' K/V into their KV-pool slots (quantizing them for an int8 or
+float8_e4m3fn cache, exactly as `sparsevllm.kv.scaled.quantize`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,43 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsevllm.attention.triton._common import check_last_dim_contiguous, next_pow2
+from sparsevllm.attention.triton._common import (
+    check_kv_scales,
+    check_last_dim_contiguous,
+    next_pow2,
+    scale_launch_args,
+)
+from sparsevllm.kv.scaled import QMAX
+
+# 1.5 * 2**23: adding and subtracting it rounds a float32 |y| < 2**22 to an integer, half
+# to even (the sum's ulp is 1 and rounds to nearest even). Plain IEEE adds, so the
+# interpreter and the GPU agree, where libdevice.rint has no interpreter version.
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _store_quantized(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
+    x,
+    dst,
+    scale_dst,
+    mask,
+    head_mask,
+    QMAX: tl.constexpr,
+    IS_INT: tl.constexpr,
+):
+    """Quantize rows `x` [BLOCK_H, BLOCK_D] per head as kv.scaled.quantize does: float32,
+    scale = absmax / QMAX (1 for an all-zero row), element = x / scale rounded."""
+    xf = x.to(tl.float32)
+    absmax = tl.max(tl.where(mask, tl.abs(xf), 0.0), 1)  # [BLOCK_H]
+    # div_rn: IEEE division like torch's (Triton's `/` is an approximate division).
+    scale = tl.math.div_rn(absmax, QMAX)
+    scale = tl.where(scale > 0, scale, 1.0)
+    y = tl.math.div_rn(xf, scale[:, None])  # [BLOCK_H, BLOCK_D]
+    if IS_INT:
+        y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    tl.store(dst, y.to(dst.dtype.element_ty), mask=mask)
+    tl.store(scale_dst, scale, mask=head_mask)
 
 
 @triton.jit
@@ -16,6 +53,12 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_kss,
+    stride_ksh,
+    stride_vss,
+    stride_vsh,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -28,6 +71,9 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT: tl.constexpr,
 ):
     """One program: token `t`, heads [hb * BLOCK_H, (hb + 1) * BLOCK_H)."""
     t = tl.program_id(0).to(tl.int64)
@@ -37,15 +83,22 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     # Slot -1 marks a padding row of a CUDA-graph batch: the mask skips it entirely.
-    mask = (offs_h < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :] & (slot >= 0)
+    head_mask = (offs_h < num_heads) & (slot >= 0)  # [BLOCK_H]
+    mask = head_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
 
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     k_dst = k_cache_ptr + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
     v_dst = v_cache_ptr + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-    # The cast lets fp32/bf16 activations feed any float cache dtype.
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        ks_dst = k_scale_ptr + slot * stride_kss + offs_h * stride_ksh  # [BLOCK_H]
+        vs_dst = v_scale_ptr + slot * stride_vss + offs_h * stride_vsh
+        _store_quantized(k, k_dst, ks_dst, mask, head_mask, QMAX, IS_INT)
+        _store_quantized(v, v_dst, vs_dst, mask, head_mask, QMAX, IS_INT)
+    else:
+        # The cast lets fp32/bf16 activations feed any float cache dtype.
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -54,9 +107,13 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
     v_cache: torch.Tensor,  # [num_slots, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
+    v_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
 ) -> None:
     """Write `k[t]`, `v[t]` into slot `slot_mapping[t]` of the caches (in place).
 
+    For an int8 or float8_e4m3fn cache, `k_scale`/`v_scale` receive each written token's
+    per-head scales and the caches its elements, bit-identical to kv.scaled.quantize.
     `k`/`v` may be strided views (e.g. slices of a fused QKV output) as long as the last
     dimension is contiguous. No host sync: safe inside CUDA-graph capture.
     """
@@ -71,6 +128,7 @@ def store_kv(
             f"shape mismatch: v_cache {tuple(v_cache.shape)}, "
             f"slot_mapping {tuple(slot_mapping.shape)}"
         )
+    quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if num_tokens == 0:
         return
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -85,6 +143,7 @@ def store_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        *scale_launch_args(k_scale, v_scale, slot_mapping),
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -97,5 +156,8 @@ def store_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        QUANT=quantized,
+        QMAX=QMAX.get(k_cache.dtype, 0.0),
+        IS_INT=k_cache.dtype == torch.int8,
         num_warps=4,
     )

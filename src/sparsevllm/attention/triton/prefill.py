@@ -19,6 +19,10 @@ and the G programs of one KV head are adjacent in launch order (head is the fast
 axis), so they run together and share each K/V tile through L2. Packing would save L2
 traffic only, at the cost of a (query, head) row mapping and a G-times-smaller query
 block.
+
+Quantized caches (int8 / float8_e4m3fn with per-token, per-head scales) are read as in
+decode.py: elements converted to the query's dtype, key scales folded into the logit
+columns and value scales into the probabilities before P@V.
 """
 
 from __future__ import annotations
@@ -30,9 +34,21 @@ import triton.language as tl
 from sparsevllm.attention.triton._common import (
     LOG2E,
     check_attention_args,
+    check_kv_scales,
     dot_precision,
     next_pow2,
+    scale_launch_args,
 )
+
+
+@triton.jit
+def _load_scales(ptrs, n_mask, MASKED: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
+    """Scales of a key tile [BLOCK_N]; a ragged tile reads 0 past its end (slot 0 pads)."""
+    if MASKED:
+        sc = tl.load(ptrs, mask=n_mask, other=0.0)
+    else:
+        sc = tl.load(ptrs)
+    return sc
 
 
 @triton.jit
@@ -41,6 +57,9 @@ def _softmax_step(  # type: ignore[no-untyped-def]  # Triton reads annotations a
     k_ptrs,
     v_ptrs,
     kv_mask,
+    ks_ptrs,
+    vs_ptrs,
+    n_mask,
     m_i,
     l_i,
     acc,
@@ -48,10 +67,20 @@ def _softmax_step(  # type: ignore[no-untyped-def]  # Triton reads annotations a
     visible,
     DOT_PREC: tl.constexpr,
     MASKED: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
-    """One key tile of the online softmax; `visible` [BLOCK_M, BLOCK_N] only if MASKED."""
+    """One key tile of the online softmax; `visible` [BLOCK_M, BLOCK_N] only if MASKED.
+    With QUANT, `ks_ptrs`/`vs_ptrs` [BLOCK_N] point at the keys' scales (`n_mask`: the
+    loadable ones, read only if MASKED)."""
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if QUANT:
+        k = k.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+    if QUANT:
+        k_sc = _load_scales(ks_ptrs, n_mask, MASKED)  # [BLOCK_N]
+        qk = qk * (k_sc * qk_scale)[None, :]
+    else:
+        qk = qk * qk_scale
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -65,7 +94,13 @@ def _softmax_step(  # type: ignore[no-untyped-def]  # Triton reads annotations a
     p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    if QUANT:
+        v_sc = _load_scales(vs_ptrs, n_mask, MASKED)  # [BLOCK_N]
+        pv = (p * v_sc[None, :]).to(q.dtype)  # l_i keeps the unscaled sum
+        v = v.to(q.dtype)
+    else:
+        pv = p.to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
@@ -79,6 +114,12 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
     q_starts_ptr,
     lens_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_kss,
+    stride_ksh,
+    stride_vss,
+    stride_vsh,
     qk_scale,
     window,
     stride_qt,
@@ -97,6 +138,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Program (query head, query block, sequence)."""
     h = tl.program_id(0)
@@ -122,7 +164,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
             mask=m_mask[:, None] & d_mask[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_D]
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        if not QUANT:
+            q = q.to(k_cache_ptr.dtype.element_ty)
 
         first_q = view_len - q_len + mb * BLOCK_M
         last_q = view_len - q_len + tl.minimum((mb + 1) * BLOCK_M, q_len) - 1
@@ -140,6 +183,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
         table_row = table_ptr + row * stride_tr
         k_base = k_cache_ptr + kvh * stride_kch
         v_base = v_cache_ptr + kvh * stride_vch
+        ks_base = k_scale_ptr + kvh * stride_ksh  # a dummy without QUANT, never read
+        vs_base = v_scale_ptr + kvh * stride_vsh
         dm = d_mask[None, :]
         for j in range(lo, full_end, BLOCK_N):
             slot = tl.load(table_row + j + offs_n).to(tl.int64)  # [BLOCK_N]; < full_end <= L
@@ -148,6 +193,9 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
                 k_base + slot[:, None] * stride_kcs + offs_d[None, :],
                 v_base + slot[:, None] * stride_vcs + offs_d[None, :],
                 dm,
+                ks_base + slot * stride_kss,
+                vs_base + slot * stride_vss,
+                None,
                 m_i,
                 l_i,
                 acc,
@@ -155,6 +203,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
                 None,
                 DOT_PREC,
                 False,
+                QUANT,
             )
         for j in range(full_end, hi, BLOCK_N):
             offs = j + offs_n  # [BLOCK_N] key view positions
@@ -170,6 +219,9 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
                 k_base + slot[:, None] * stride_kcs + offs_d[None, :],
                 v_base + slot[:, None] * stride_vcs + offs_d[None, :],
                 k_valid[:, None] & dm,
+                ks_base + slot * stride_kss,
+                vs_base + slot * stride_vss,
+                k_valid,
                 m_i,
                 l_i,
                 acc,
@@ -177,6 +229,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
                 visible,
                 DOT_PREC,
                 True,
+                QUANT,
             )
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -190,7 +243,8 @@ def prefill_config(head_dim: int, max_q_len: int, dtype: torch.dtype) -> dict[st
     D=128: 256x64 tiles, 8 warps, 3 stages gave 427 TFLOP/s (128x128: 384, 128x64: 320);
     short chunks keep 128-row blocks so little of a block is padding. D=64: 128x64,
     8 warps: 375 TFLOP/s. 4-byte caches (tests, debugging) need half the shared memory
-    per element and take small tiles, as does the untuned D>128 case.
+    per element and take small tiles, as does the untuned D>128 case. `dtype` is the
+    dots' operand dtype: the cache's, or the query's for a quantized cache.
     """
     block_d = next_pow2(max(head_dim, 16))
     if torch.empty((), dtype=dtype).element_size() > 2 or block_d > 128:
@@ -219,22 +273,29 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
+    v_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
 ) -> torch.Tensor:
     """Causal attention of every chunk query over its view; writes and returns `out`.
 
     `max_q_len` (>= every q_len) sizes the grid on the host, so no device value is read.
     `window` (sliding-window layers): each query sees itself and the window - 1 view
     entries before it. The keyword-only tile options override `prefill_config`.
+    `k_scale`/`v_scale` go with (and only with) an int8 or float8_e4m3fn cache: value =
+    element * scale of its (slot, KV head), as kv.scaled.dequantize.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_seqs = rows.shape[0]
     q = check_attention_args(q, k_cache, v_cache, table, out)
+    quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    # A quantized cache's elements are converted to q's dtype: the dots run in it.
+    compute_dtype = q.dtype if quantized else k_cache.dtype
     if q_starts.shape != (num_seqs + 1,) or view_lens.shape != (num_seqs,):
         raise ValueError("q_starts must be [S + 1] and view_lens [S]")
     if num_tokens == 0 or num_seqs == 0 or max_q_len <= 0:
         return out
-    cfg = prefill_config(head_dim, max_q_len, k_cache.dtype)
+    cfg = prefill_config(head_dim, max_q_len, compute_dtype)
     for key, value in (
         ("BLOCK_M", block_m),
         ("BLOCK_N", block_n),
@@ -253,6 +314,7 @@ def prefill_attention(
         q_starts,
         view_lens,
         out,
+        *scale_launch_args(k_scale, v_scale, rows),
         float(scale) * LOG2E,
         int(window or 0),
         q.stride(0),
@@ -267,8 +329,9 @@ def prefill_attention(
         HEAD_DIM=head_dim,
         GROUP=num_q_heads // num_kv_heads,
         BLOCK_D=next_pow2(max(head_dim, 16)),
-        DOT_PREC=dot_precision(k_cache.dtype),
+        DOT_PREC=dot_precision(compute_dtype),
         HAS_WINDOW=window is not None,
+        QUANT=quantized,
         **cfg,
     )
     return out
