@@ -24,11 +24,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("method", sorted(CASES))
-def test_mixed_batches_apply_decode_views(tiny_model_factory, method, monkeypatch):
+@pytest.mark.parametrize(
+    "method,fmt", [("quest", "auto"), ("omnikv", "auto"), ("quest", "int8"), ("omnikv", "fp8_e4m3")]
+)
+def test_mixed_batches_apply_decode_views(tiny_model_factory, method, fmt, monkeypatch):
+    """Also on quantized KV: the kernels read the stored elements with their scales and
+    give the reference backend's tokens."""
     model = tiny_model_factory("llama4")
     kwargs = dict(
         sparse_method=method,
+        kv_cache_dtype=fmt,
         dtype="float32",
         chunk_prefill_size=8,
         recent_keep_tokens=0,
@@ -53,12 +58,15 @@ def test_mixed_batches_apply_decode_views(tiny_model_factory, method, monkeypatc
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
 
 
-def test_prefill_window_scores_through_the_slot_table(tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("fmt", ["auto", "int8", "fp8_e4m3"])
+def test_prefill_window_scores_through_the_slot_table(tiny_model_factory, monkeypatch, fmt):
     """SnapKV's observation-window scores on the Triton backend (per KV head, through the
-    slot table) compress to the same views as the reference backend: same tokens."""
+    slot table) compress to the same views as the reference backend: same tokens, in
+    every storage format."""
     model = tiny_model_factory("llama4")
     kwargs = dict(
         sparse_method="snapkv",
+        kv_cache_dtype=fmt,
         dtype="float32",
         chunk_prefill_size=8,
         decode_keep_tokens=24,

@@ -39,8 +39,9 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         group = batch.group_of_layer[layer]
         storage = self.storage[layer]
-        scales = {"k_scale": storage.k_scale, "v_scale": storage.v_scale}  # None: model dtype
-        store_kv(k, v, storage.k, storage.v, batch.slot_mapping[group], **scales)
+        # Scales (None for the model dtype): the kernels quantize and dequantize with them.
+        k_scale, v_scale = storage.k_scale, storage.v_scale
+        store_kv(k, v, storage.k, storage.v, batch.slot_mapping[group], k_scale, v_scale)
         out = torch.empty_like(q)
         table = batch.tables[group]
         lens = batch.view_lens_t[group]
@@ -58,7 +59,8 @@ class TritonBackend(AttentionBackend):
             out,
             max_q_len=max(batch.q_lens),
             window=window,
-            **scales,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         if window is None and batch.sparse.select_views is not None and 1 in batch.q_lens:
             self._single_query_views(layer, q, batch, scale, out)

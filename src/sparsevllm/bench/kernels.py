@@ -27,7 +27,9 @@ from triton.testing import do_bench
 
 from sparsevllm.attention import torch_ref
 from sparsevllm.attention.triton import auto_num_splits, decode_attention, prefill_attention
-from sparsevllm.kv import KVFormat, check_device, format_names, get_format
+from sparsevllm.kv.format import KVFormat
+from sparsevllm.kv.names import FORMAT_NAMES
+from sparsevllm.kv.registry import check_device, get_format
 from sparsevllm.kv.scaled import dequantize, quantize
 
 DTYPE = torch.bfloat16
@@ -282,7 +284,7 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=format_names(),
+        choices=FORMAT_NAMES,
         help="KV cache format of the decode benchmarks (prefill always reads bf16)",
     )
     args = parser.parse_args()
