@@ -2,7 +2,7 @@
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
-#          gguf-part | quality | quality-rerun
+#          gguf-part | quality | quality-rerun | formats-kernels | formats-throughput
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -129,6 +129,25 @@ PY
         python -m sparsevllm.bench.profile_step --prompt-len 32768 --batch-size 4 --steps 4 \
            --sparse-method $m --decode-keep-tokens 2048 --prefill-steps 8 --rows 12 \
            --json "$OUT/profile_prefill_$m.json" | grep -A14 "prefill host"
+      done ;;
+    formats-kernels)
+      # Issue 15: the decode kernel on each KV storage format (64 x 8K, byte floor).
+      for f in auto int8 fp8_e4m3; do
+        python -m sparsevllm.bench.kernels --kv-cache-dtype $f --json "$OUT/kernels_$f.json" \
+           | grep -iE "floor|decode|prefill" | head -12
+      done ;;
+    formats-throughput)
+      # Issue 15: the engine on each format: dense decode at 64 x 8K, and vanilla's largest
+      # batch at 32K (the pool holds ~1.94x the slots in int8).
+      for f in auto int8 fp8_e4m3; do
+        $M --prompt-len 8192 --output-len 64 --batch-size 64 --max-model-len 8448 \
+           --kv-cache-dtype $f --json "$OUT/dense_b64_8k_$f.json" \
+           | grep -E '"(decode_tokens_per_s|time_per_output_token_s|roofline_step_s|kv_bytes_per_slot)"'
+      done
+      for f in auto int8; do
+        $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --max-batch \
+           --kv-cache-dtype $f --json "$OUT/vanilla_32k_maxbatch_$f.json" \
+           | grep -E '"(batch_size|decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
       done ;;
     dense)
       $M --prompt-len 8192 --output-len 128 --batch-size 32 --max-model-len 8448 \
