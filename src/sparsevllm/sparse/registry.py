@@ -40,6 +40,7 @@ _MODULES: dict[str, str] = {
         "h2o",
         "tova",
         "knorm",
+        "keydiff",
         "strided",
         "omnikv",
         "quest",
