@@ -41,6 +41,7 @@ _MODULES: dict[str, str] = {
         "tova",
         "knorm",
         "keydiff",
+        "lagkv",
         "strided",
         "omnikv",
         "quest",
