@@ -19,6 +19,17 @@ def test_architecture_doc_names_every_model_file():
     assert missing == []
 
 
+def test_methods_doc_and_readme_name_every_method():
+    from sparsevllm.sparse.registry import method_names
+
+    table = (ROOT / "docs" / "methods.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Sparse methods") :][:2000]
+    for name in method_names():
+        assert f"| `{name}`" in table, name  # a row of the methods table
+        assert f"`{name}`" in section, name
+
+
 def test_docs_do_not_call_core_dependencies_optional():
     pyproject = (ROOT / "pyproject.toml").read_text()
     block = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.S | re.M)

@@ -120,8 +120,9 @@ class LLM:
         """Compress token ranges `[start, end)` of a cached history: the idle chain
         `chain_id` (eviction methods) or the cached prefix of `prompt` (text or token
         ids; dense methods). Each range keeps ceil(keep_ratio x its resident tokens),
-        chosen by `method` (knorm, snapkv or streamingllm); the other slots are freed
-        and the next turn still reuses the whole history. See docs/caching.md."""
+        chosen by `method` (a method with a pruning scorer: knorm, keydiff, lagkv,
+        strided, snapkv or streamingllm); the other slots are freed and the next turn
+        still reuses the whole history. See docs/caching.md."""
         return self.engine.prune(
             chain_id, prompt, ranges=list(ranges), method=method, keep_ratio=keep_ratio
         )

@@ -42,7 +42,9 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("kind", ["radix", "chain"])
-@pytest.mark.parametrize("method", ["knorm", "snapkv", "streamingllm"])
+@pytest.mark.parametrize(
+    "method", ["knorm", "snapkv", "streamingllm", "keydiff", "lagkv", "strided"]
+)
 def test_pruned_history_frees_slots_and_the_next_turn_still_hits(model, kind, method):
     llm = LLM(model, **CONFIGS[kind])
     cached_before = None

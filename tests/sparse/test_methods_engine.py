@@ -74,7 +74,9 @@ def resident_after_each_step(llm: LLM, prompt: list[int], max_tokens: int) -> li
     return trace
 
 
-@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "streamingllm", "knorm"])
+@pytest.mark.parametrize(
+    "method", ["snapkv", "pyramidkv", "streamingllm", "knorm", "keydiff", "lagkv", "strided"]
+)
 def test_resident_slots_equal_budget_after_prefill(model, method):
     knobs = {"decode_keep_tokens": 24, "sink_keep_tokens": 4, "recent_keep_tokens": 8}
     if method == "streamingllm":

@@ -84,6 +84,9 @@ def test_keep_per_head_compacts_exactly(seed, keep):
             assert torch.equal(k_cache[layer][new[j], h], k_view[src, h]), (h, j)
             assert torch.equal(v_cache[layer][new[j], h], v_view[src, h]), (h, j)
     assert torch.equal(kv.keys(2, layer)[:, 0], k_view[positions[0], 0])
+    for h in range(HKV):  # reads follow the compaction, per head
+        assert torch.equal(kv.values(2, layer)[:, h], v_view[positions[h], h])
+        assert torch.equal(kv.values(2, layer, 1, 3)[:, h], v_view[positions[h, 1:3], h])
     # The dropped slots were freed in this layer's group only.
     expected = list(used)
     expected[layer] -= length - keep

@@ -3,8 +3,8 @@
 Every eviction goes through `keep` / `keep_per_head`, which also record the logical
 position of each kept entry (`ViewPositions`) for pruning and the disk tier. Evictions
 change only the pool; its change record brings the device slot tables up to date. Keys
-are read dequantized from the layer's storage format; per-head compaction moves stored
-bytes with their scales (exact in every format).
+and values are read dequantized from the layer's storage format; per-head compaction
+moves stored bytes with their scales (exact in every format).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sparsevllm.upload import upload
 
 
 class RunnerKV:
-    """Reads keys through slot tables and applies evictions (freeing slots at once)."""
+    """Reads keys and values through slot tables and applies evictions (freeing slots at once)."""
 
     def __init__(
         self,
@@ -73,6 +73,12 @@ class RunnerKV:
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         slots = self._view_tensor(seq_id, layer)[start:end].long()
         return self.storage[layer].read_keys(slots)  # [n, Hkv, D]
+
+    def values(
+        self, seq_id: int, layer: int, start: int = 0, end: int | None = None
+    ) -> torch.Tensor:
+        slots = self._view_tensor(seq_id, layer)[start:end].long()
+        return self.storage[layer].read_values(slots)  # [n, Hkv, D]
 
     def logical_positions(self, seq_id: int, group: int) -> torch.Tensor:
         """`[num_kv_heads, L]`: the token each entry of a group's view holds, per head."""

@@ -133,6 +133,13 @@ class KVAccess(Protocol):
         """K of view positions [start, end) at `layer`: `[n, num_kv_heads, head_dim]`."""
         ...
 
+    def values(
+        self, seq_id: int, layer: int, start: int = 0, end: int | None = None
+    ) -> torch.Tensor:
+        """V of view positions [start, end) at `layer`: `[n, num_kv_heads, head_dim]`
+        (dequantized, like `keys`; for methods that score values, e.g. LagKV)."""
+        ...
+
     def keep(self, seq_id: int, group: int, positions: list[int]) -> None:
         """Keep only these view positions (every head, every layer of the group)."""
         ...

@@ -41,6 +41,9 @@ _MODULES: dict[str, str] = {
         "h2o",
         "tova",
         "knorm",
+        "keydiff",
+        "lagkv",
+        "strided",
         "omnikv",
         "quest",
     )
