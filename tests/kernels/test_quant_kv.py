@@ -16,6 +16,7 @@ require_triton()
 
 from sparsevllm.attention import torch_ref  # noqa: E402
 from sparsevllm.attention.triton import decode_attention, prefill_attention, store_kv  # noqa: E402
+from sparsevllm.kv.dense import DenseStorage  # noqa: E402
 from sparsevllm.kv.scaled import dequantize, quantize  # noqa: E402
 
 FORMATS = [torch.int8, torch.float8_e4m3fn]
@@ -99,7 +100,7 @@ def decode_reference(q, kd, vd, table, rows, lens, scale, subset, counts, window
             k, v = kd[view[lo:]], vd[view[lo:]]
         else:
             sel = subset[s, :, : int(counts[s])].long()  # [Hkv, B]
-            k, v = torch_ref.gather_selected(kd, vd, view, sel)
+            k, v = torch_ref.gather_selected(DenseStorage.wrap(kd, vd), view, sel)
             last = torch.full((num_kv_heads, 1), n - 1, device=q.device)
             positions = torch.cat([sel, last], dim=1)  # [Hkv, B + 1]
         qs = q[s : s + 1].double()
