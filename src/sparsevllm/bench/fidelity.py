@@ -76,7 +76,7 @@ _OWNED = ("model", "dtype", "kv_cache_dtype")
 _SLOT_MARGIN = 64  # pool slots beyond the work's own, so the work never waits for room
 
 
-def model_aliases() -> dict[str, Any]:
+def model_aliases() -> dict[str, Callable[[], str]]:
     """`--model` names of the bundled models -> functions returning their paths."""
     from sparsevllm.bench.quality.cli import default_model
     from sparsevllm.models.default_model import default_model_path
@@ -403,6 +403,8 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     )
     axes[2].bar([x + width / 2 for x in xs], [rows[f]["max_kl"] for f in names], width, label="max")
     axes[2].set_xticks(list(xs), names)
+    if all(rows[f]["mean_kl"] > 0 for f in names):
+        axes[2].set_yscale("log")  # the mean is often 100x below the max
     axes[2].set_title(f"KL(auto || format), nats, {s['kl_positions']} positions", fontsize=10)
     axes[2].legend()
     for ax in axes:
@@ -533,14 +535,13 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Reject bad values before any model is loaded."""
-    from sparsevllm.cli_errors import UsageError
-
+    """Reject bad values before any model is loaded (`main` turns a ValueError into one
+    error line and exit status 2; bench/ sits below cli_errors in the layers)."""
     for name in ("num_prompts", "prompt_tokens", "new_tokens"):
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.kl_tokens < 2:
-        raise UsageError(f"--kl-tokens must be >= 2, got {args.kl_tokens}")
+        raise ValueError(f"--kl-tokens must be >= 2, got {args.kl_tokens}")
 
 
 def run_cli(args: argparse.Namespace) -> int:
