@@ -177,18 +177,19 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
 def _add_bench(sub: argparse._SubParsersAction, with_kinds: bool) -> None:
     p = sub.add_parser(
         "bench",
-        help="Benchmarks: throughput, multiturn, quality, moe.",
+        help="Benchmarks: throughput, multiturn, quality, fidelity, moe.",
         description="Benchmarks that write JSON reports (see docs/benchmarks/).",
     )
     kinds = p.add_subparsers(dest="bench", required=True)
     if not with_kinds:
         return
-    from sparsevllm.bench import moe, multiturn, throughput
+    from sparsevllm.bench import fidelity, moe, multiturn, throughput
     from sparsevllm.bench.quality import cli as quality
 
     throughput.add_parser(kinds, add_engine_args)
     multiturn.add_parser(kinds, add_engine_args)
     quality.add_parser(kinds)
+    fidelity.add_parser(kinds)
     moe.add_parser(kinds)
 
 

@@ -1,0 +1,570 @@
+"""`sparsevllm bench fidelity`: how close each KV storage format's outputs are to auto's.
+
+`kv_cache_dtype="auto"` (the model dtype; float32 here by default) is the reference; each
+other format runs the same work in its own engine, and two measures compare them:
+
+- Greedy agreement. `--num-prompts` prompts of about `--prompt-tokens` tokens each: an
+  essay from the quality suite's essay grammar (`bench.quality.words.essay_sentence`, sized
+  with `bench.quality.layout.fit_length`; prompt i draws its sentences from the seed
+  `fidelity|SEED|i`) followed by a question about it. A tokenizer with a chat template
+  gets the prompt as one user message through the template (an instruct model answers
+  the question); one without gets it as a plain completion ending in "Answer:" (a base
+  model continues). The prompt length counts the template. Each format decodes
+  `--new-tokens` greedy tokens per prompt with `ignore_eos`, so every completion has
+  exactly that many tokens and the comparison never depends on where one stops. Reported:
+  how many prompts' tokens are identical to auto's (`identical_first_n`, out of
+  `num_prompts`) and the mean length of the common prefix with auto's tokens.
+- KL divergence. One deterministic essay of exactly `--kl-tokens` tokens (seed
+  `fidelity-kl|SEED`, no template), teacher-forced through `LLM.prompt_logits`: the
+  next-token distributions at every position with auto (P) and with the format (Q).
+  Reported: the mean and max over positions of KL(P || Q) in nats (computed in float64),
+  and the fraction of positions whose argmax agrees.
+
+Prefill is where the format matters for the KL pass: the reference attention backend
+(attention/torch_ref.py) stores a chunk's K/V into the format first and then reads the
+whole view back through the storage, so a chunk's queries see its own keys and values
+quantized too, as decode steps see every earlier token's. The KL text is prefilled in
+ceil(kl_tokens / chunk_prefill_size) chunks (one at the defaults, 2048 / 2048); the JSON
+records the count.
+
+Every engine gets the same fixed pool (`num_kv_slots`, sized to the work unless given),
+no prefix caching and the vanilla method, so auto and the formats schedule the same
+batches and differ only in how KV is stored. Each engine is closed before the next
+starts. Sliding-window layers keep the model dtype in every format (see kv_cache_dtype
+in config.py), so on a model such as Gemma 3 only its global layers are quantized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sparsevllm.bench.quality.layout import Haystack, fit_length
+from sparsevllm.config import FIELD_HELP, EngineConfig, check_keys
+from sparsevllm.kv.names import FORMAT_NAMES, check_format_name
+
+REFERENCE = "auto"
+DEFAULT_FORMATS = [f for f in FORMAT_NAMES if f != REFERENCE]
+DEFAULT_NUM_PROMPTS = 20
+DEFAULT_PROMPT_TOKENS = 1024
+DEFAULT_NEW_TOKENS = 32
+DEFAULT_KL_TOKENS = 2048
+DEFAULT_DTYPE = "float32"
+HEADER = "Read the essay below, then answer the question after it."
+QUESTION = (
+    "Question: What is the main argument of the essay above, and which of its claims "
+    "support it best? Answer in a few sentences."
+)
+# Engine flags of this command: (field, type); every other field via --config.
+ENGINE_FLAGS: list[tuple[str, type]] = [
+    ("device", str),
+    ("max_num_seqs", int),
+    ("max_num_batched_tokens", int),
+    ("chunk_prefill_size", int),
+    ("max_model_len", int),
+    ("num_kv_slots", int),
+    ("enforce_eager", bool),
+]
+# Settings the command chooses itself; a config file may not set them.
+_OWNED = ("model", "dtype", "kv_cache_dtype")
+_SLOT_MARGIN = 64  # pool slots beyond the work's own, so the work never waits for room
+
+
+def model_aliases() -> dict[str, Callable[[], str]]:
+    """`--model` names of the bundled models -> functions returning their paths."""
+    from sparsevllm.bench.quality.cli import default_model
+    from sparsevllm.models.default_model import default_model_path
+
+    return {"smollm2-135m": default_model_path, "gemma3-270m": default_model}
+
+
+def resolve_model(name: str | None) -> str:
+    """The model path: the bundled default model, a named bundled model, or `name`."""
+    aliases = model_aliases()
+    if name is None:
+        return str(aliases["smollm2-135m"]())
+    if name in aliases:
+        return str(aliases[name]())
+    return name
+
+
+# ------------------------------------------------------------------------ inputs
+
+
+def essay_text(tokenizer: Any, target: int, seed: str, wrap: Callable[[str], str]) -> str:
+    """`wrap(essay)` for the essay of seed `seed` whose wrapped text is closest to
+    `target` tokens (counted without special tokens, the template's own included)."""
+    hay = Haystack("essay", random.Random(seed))
+
+    def render(n: int) -> str:
+        return str(wrap(" ".join(piece.text for piece in hay.take(n))))
+
+    n, _ = fit_length(render, tokenizer, target)
+    return render(n)
+
+
+def use_chat(tokenizer: Any, chat: bool | None) -> bool:
+    """Whether prompts go through the chat template (None: when the tokenizer has one)."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if chat and not has:
+        raise ValueError("--chat needs a tokenizer with a chat template")
+    return has if chat is None else chat
+
+
+def agreement_prompts(
+    tokenizer: Any, num: int, tokens: int, seed: int, chat: bool
+) -> list[list[int]]:
+    """The token ids of the greedy-agreement prompts (see the module docstring)."""
+
+    def wrap(essay: str) -> str:
+        body = f"{HEADER}\n\n{essay}\n\n{QUESTION}"
+        if not chat:
+            return body + "\nAnswer:"
+        messages = [{"role": "user", "content": body}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return str(text)
+
+    prompts = []
+    for i in range(num):
+        text = essay_text(tokenizer, tokens, f"fidelity|{seed}|{i}", wrap)
+        # The template already holds its special tokens; a plain prompt gets the BOS.
+        prompts.append(list(tokenizer.encode(text, add_special_tokens=not chat)))
+    return prompts
+
+
+def kl_ids(tokenizer: Any, tokens: int, seed: int) -> list[int]:
+    """Exactly `tokens` ids of a plain essay (BOS included where the tokenizer adds one)."""
+    # Aim a little high: the fit lands within 2% of its target, then the ids are cut.
+    text = essay_text(tokenizer, math.ceil(tokens * 1.05) + 8, f"fidelity-kl|{seed}", str)
+    ids = list(tokenizer.encode(text))
+    if len(ids) < tokens:
+        raise RuntimeError(f"the KL text has {len(ids)} tokens, fewer than {tokens}")
+    return ids[:tokens]
+
+
+def pool_slots(num_prompts: int, prompt_tokens: int, new_tokens: int, kl_tokens: int) -> int:
+    """KV slots that hold every agreement prompt with its output at once, and the KL text
+    (they run one after the other); prompts land within 2% of their target (+1 for BOS)."""
+    per_prompt = math.ceil(prompt_tokens * 1.02) + 1 + new_tokens
+    return max(num_prompts * per_prompt, kl_tokens + 1) + _SLOT_MARGIN
+
+
+# ------------------------------------------------------------------------ measures
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def kl_stats(ref_logits: Any, logits: Any, rows: int = 128) -> dict[str, float]:
+    """Mean and max over positions of KL(P || Q) in nats, P = softmax(ref_logits) and
+    Q = softmax(logits) (`[T, vocab]`), and the fraction of positions whose argmax agrees.
+
+    float64, `rows` positions at a time: a 262K vocabulary would need GiBs at once.
+    """
+    import torch
+
+    if ref_logits.shape != logits.shape:
+        raise ValueError(
+            f"logits shapes differ: {tuple(ref_logits.shape)} vs {tuple(logits.shape)}"
+        )
+    kls, agree = [], 0
+    for start in range(0, ref_logits.shape[0], rows):
+        logp = torch.log_softmax(ref_logits[start : start + rows].double(), dim=-1)
+        logq = torch.log_softmax(logits[start : start + rows].double(), dim=-1)
+        # Where P is 0 its term is 0 (0 * log 0 := 0); exp underflow makes no NaN here.
+        kls.append((logp.exp() * (logp - logq)).sum(dim=-1))
+        agree += int((logp.argmax(dim=-1) == logq.argmax(dim=-1)).sum())
+    kl = torch.cat(kls).clamp_min(0.0)  # rounding can give -1e-17 for identical rows
+    return {
+        "mean_kl": float(kl.mean()),
+        "max_kl": float(kl.max()),
+        "argmax_agreement": agree / ref_logits.shape[0],
+    }
+
+
+def compare(ref: dict[str, Any], run: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    """A format's measures against the reference run's tokens and logits."""
+    prefixes = [common_prefix(a, b) for a, b in zip(ref["tokens"], run["tokens"])]
+    return {
+        "identical_first_n": sum(p >= new_tokens for p in prefixes),
+        "mean_common_prefix": sum(prefixes) / len(prefixes),
+        "common_prefix": prefixes,
+        **kl_stats(ref["logits"], run["logits"]),
+        "kv_bytes_per_slot": run["stats"]["kv_bytes_per_slot"],
+        "load_s": run["load_s"],
+        "elapsed_s": run["elapsed_s"],
+    }
+
+
+# ------------------------------------------------------------------------ engines
+
+
+def measure(llm: Any, prompts: list[list[int]], kl: list[int], new_tokens: int) -> dict[str, Any]:
+    """One engine's greedy tokens for every prompt (one batched call) and its logits at
+    every position of the KL text."""
+    from sparsevllm.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, out in enumerate(outputs):
+        if out.finish_reason in ("error", "abort") or len(out.token_ids) != new_tokens:
+            raise RuntimeError(
+                f"prompt {i}: {len(out.token_ids)} of {new_tokens} tokens, "
+                f"finish_reason {out.finish_reason}"
+            )
+    logits = llm.prompt_logits(kl)
+    runner = llm.engine.runner
+    return {
+        "tokens": [list(out.token_ids) for out in outputs],
+        "logits": logits,
+        "stats": llm.stats(),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "device": str(runner.device),
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def run_engine(
+    model: str,
+    fmt: str,
+    engine: dict[str, Any],
+    work: dict[str, Any] | None,
+    setup: Callable[[Any], dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Build an engine storing KV as `fmt`, measure it, close it: (run, work). The work
+    (prompts and KL ids) is `setup(tokenizer)` when not given: the reference builds it."""
+    from sparsevllm.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model, **engine, kv_cache_dtype=fmt)
+    load_s = time.perf_counter() - t0
+    try:
+        if work is None:
+            assert setup is not None
+            work = setup(llm.tokenizer)
+        run = measure(llm, work["prompts"], work["kl_ids"], work["new_tokens"])
+    finally:
+        llm.close()  # the next format's engine needs the memory
+    return {**run, "load_s": load_s}, work
+
+
+def run_fidelity(
+    model: str,
+    formats: Sequence[str],
+    engine: dict[str, Any],
+    settings: dict[str, Any],
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the reference and every format; the report (see the module docstring).
+
+    `settings`: num_prompts, prompt_tokens, new_tokens, kl_tokens, seed, chat (None: the
+    tokenizer decides). `engine`: EngineConfig fields other than model and kv_cache_dtype.
+    """
+    from tqdm.auto import tqdm
+
+    from sparsevllm.bench.quality.report import versions
+
+    s = settings
+
+    def setup(tokenizer: Any) -> dict[str, Any]:
+        chat = use_chat(tokenizer, s["chat"])
+        prompts = agreement_prompts(
+            tokenizer, s["num_prompts"], s["prompt_tokens"], s["seed"], chat
+        )
+        kl = kl_ids(tokenizer, s["kl_tokens"], s["seed"])
+        return {"prompts": prompts, "kl_ids": kl, "new_tokens": s["new_tokens"], "chat": chat}
+
+    started = time.time()
+    bar = tqdm(total=1 + len(formats), desc="fidelity", unit="engine", disable=not progress)
+    results: dict[str, Any] = {}
+    try:
+        bar.set_postfix_str(REFERENCE)
+        ref, work = run_engine(model, REFERENCE, engine, None, setup)
+        bar.update()
+        for fmt in formats:
+            bar.set_postfix_str(fmt)
+            run, _ = run_engine(model, fmt, engine, work)
+            results[fmt] = compare(ref, run, s["new_tokens"])
+            bar.update()
+    finally:
+        bar.close()
+    return build_report(model, ref, work, results, engine, settings, started, versions())
+
+
+def build_report(
+    model: str,
+    ref: dict[str, Any],
+    work: dict[str, Any],
+    results: dict[str, Any],
+    engine: dict[str, Any],
+    settings: dict[str, Any],
+    started: float,
+    versions: dict[str, Any],
+) -> dict[str, Any]:
+    """The JSON report: model, numerics, each format's measures, settings and versions."""
+    from datetime import datetime, timezone
+
+    import torch
+
+    lengths = [len(p) for p in work["prompts"]]
+    chunk = int(engine.get("chunk_prefill_size") or EngineConfig().chunk_prefill_size)
+    return {
+        "model": model,
+        "model_name": Path(model.rstrip("/")).name,
+        "dtype": ref["dtype"],
+        "device": ref["device"],
+        "torch_threads": torch.get_num_threads(),  # CPU float32 sums depend on the split
+        "reference": {
+            "kv_cache_dtype": REFERENCE,
+            "kv_bytes_per_slot": ref["stats"]["kv_bytes_per_slot"],
+            "load_s": ref["load_s"],
+            "elapsed_s": ref["elapsed_s"],
+        },
+        "formats": results,
+        "settings": {
+            **settings,
+            "chat": work["chat"],
+            "decoding": "greedy, ignore_eos",
+            "prompt_tokens_actual": {
+                "min": min(lengths),
+                "mean": sum(lengths) / len(lengths),
+                "max": max(lengths),
+            },
+            "kl_positions": len(work["kl_ids"]),
+            "kl_prefill_chunks": math.ceil(len(work["kl_ids"]) / chunk),
+        },
+        "engine": engine,
+        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": time.time() - started,
+        "versions": versions,
+    }
+
+
+# ------------------------------------------------------------------------ output
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """One row per format: agreement, KL and bytes per slot (auto's bytes first)."""
+    s = report["settings"]
+    n, new = s["num_prompts"], s["new_tokens"]
+    lines = [
+        f"| kv_cache_dtype | identical first {new} (of {n}) | mean common prefix (of {new}) "
+        "| mean KL (nats) | max KL (nats) | argmax agreement | KV bytes/slot |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| {REFERENCE} (reference) | - | - | - | - | - | "
+        f"{report['reference']['kv_bytes_per_slot']} |",
+    ]
+    for fmt, r in report["formats"].items():
+        lines.append(
+            f"| {fmt} | {r['identical_first_n']} | {r['mean_common_prefix']:.2f} | "
+            f"{r['mean_kl']:.3g} | {r['max_kl']:.3g} | {r['argmax_agreement']:.4f} | "
+            f"{r['kv_bytes_per_slot']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    """Bar charts per format: prompts with identical tokens, mean common prefix, KL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s, rows = report["settings"], report["formats"]
+    names = list(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [
+        ("identical_first_n", f"prompts with identical first {s['new_tokens']} tokens",
+         s["num_prompts"]),
+        ("mean_common_prefix", "mean common prefix (tokens)", s["new_tokens"]),
+    ]  # fmt: skip
+    for ax, (key, title, top) in zip(axes, panels):
+        ax.bar(names, [rows[f][key] for f in names], color="tab:blue")
+        ax.set_ylim(0, top)
+        ax.set_title(title, fontsize=10)
+    width = 0.4
+    xs = range(len(names))
+    axes[2].bar(
+        [x - width / 2 for x in xs], [rows[f]["mean_kl"] for f in names], width, label="mean"
+    )
+    axes[2].bar([x + width / 2 for x in xs], [rows[f]["max_kl"] for f in names], width, label="max")
+    axes[2].set_xticks(list(xs), names)
+    if all(rows[f]["mean_kl"] > 0 for f in names):
+        axes[2].set_yscale("log")  # the mean is often 100x below the max
+    axes[2].set_title(f"KL(auto || format), nats, {s['kl_positions']} positions", fontsize=10)
+    axes[2].legend()
+    for ax in axes:
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"KV storage fidelity vs auto: {report['model_name']} ({report['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------ command line
+
+
+def _formats(text: str) -> list[str]:
+    """An argparse type: comma-separated kv_cache_dtype names, each checked."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("no formats given")
+    for name in names:
+        try:
+            check_format_name(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    return names
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `bench fidelity` under the `bench` subcommands."""
+    p = sub.add_parser(
+        "fidelity",
+        help="KV storage formats (kv_cache_dtype) vs auto: greedy agreement and KL divergence.",
+        description="Runs the same work with kv_cache_dtype=auto (the reference) and with each "
+        "format: greedy completions of essay prompts (how many match auto's tokens, and the "
+        "mean common prefix) and teacher-forced next-token distributions over one long text "
+        "(mean and max KL(auto || format)). Example: sparsevllm bench fidelity --model "
+        "gemma3-270m --json out/fidelity.json --plot out/fidelity.png",
+    )
+    w = p.add_argument_group("work")
+    w.add_argument(
+        "--model",
+        default=None,
+        help="Model path, or a bundled model: smollm2-135m (SmolLM2-135M-Instruct GGUF) or "
+        "gemma3-270m (Gemma-3-270M GGUF) (default: smollm2-135m, the engine's default).",
+    )
+    w.add_argument(
+        "--formats",
+        type=_formats,
+        default=list(DEFAULT_FORMATS),
+        help=f"Comma-separated kv_cache_dtype formats to compare with auto, which always runs "
+        f"as the reference; naming auto again checks that reruns agree "
+        f"(default: {','.join(DEFAULT_FORMATS)}; available: {', '.join(FORMAT_NAMES)}).",
+    )
+    w.add_argument(
+        "--dtype",
+        default=DEFAULT_DTYPE,
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help=f"Compute dtype, also auto's KV dtype (default: {DEFAULT_DTYPE}).",
+    )
+    _add_int(w, "--num-prompts", DEFAULT_NUM_PROMPTS, "Greedy-agreement prompts")
+    _add_int(w, "--prompt-tokens", DEFAULT_PROMPT_TOKENS, "Tokens per agreement prompt (+-2%%)")
+    _add_int(w, "--new-tokens", DEFAULT_NEW_TOKENS, "Greedy tokens generated per prompt")
+    _add_int(w, "--kl-tokens", DEFAULT_KL_TOKENS, "Tokens of the teacher-forced KL text")
+    w.add_argument("--seed", type=int, default=0, help="Seed of the texts (default: 0).")
+    w.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Send the agreement prompts through the chat template (default: when the "
+        "tokenizer has one).",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="OUT", help="Write the report as JSON here.")
+    o.add_argument("--plot", metavar="PNG", help="Save bar charts of agreement and KL here.")
+    o.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
+    _add_engine_flags(p)
+    p.set_defaults(func=run_cli)
+
+
+def _add_int(group: argparse._ArgumentGroup, flag: str, default: int, text: str) -> None:
+    group.add_argument(flag, type=int, default=default, help=f"{text} (default: {default}).")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """--config and the engine flags that matter here, with EngineConfig's help text."""
+    e = p.add_argument_group("engine")
+    e.add_argument(
+        "--config",
+        metavar="FILE",
+        help="JSON file of engine settings shared by every engine (not model, dtype or "
+        "kv_cache_dtype); flags override it.",
+    )
+    defaults = EngineConfig.knob_defaults()
+    for name, kind in ENGINE_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        shown = "unset" if defaults[name] is None else defaults[name]
+        if name == "num_kv_slots":
+            shown = "sized to the work, the same for every format"
+        text = f"{FIELD_HELP[name]} (default: {shown})".replace("%", "%%")
+        if kind is bool:
+            action: Any = argparse.BooleanOptionalAction
+            e.add_argument(flag, action=action, default=argparse.SUPPRESS, help=text)
+        else:
+            e.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine settings shared by every format: --config, the flags (which win), the
+    dtype, no prefix caching and a pool sized to the work unless the user sized it."""
+    settings: dict[str, Any] = {}
+    if args.config:
+        settings = json.loads(Path(args.config).read_text())
+        if not isinstance(settings, dict):
+            raise ValueError(f"config file {args.config} must hold a JSON object")
+        check_keys(settings, EngineConfig.option_names(), what="config key")
+        owned = [k for k in _OWNED if k in settings]
+        if owned:
+            raise ValueError(f"the config file sets {', '.join(owned)}; use the flags instead")
+    settings.update({name: getattr(args, name) for name, _ in ENGINE_FLAGS if name in args})
+    settings["dtype"] = args.dtype
+    settings.setdefault("enable_prefix_caching", False)  # every prompt is computed
+    if "num_kv_slots" not in settings and "kv_cache_memory_gb" not in settings:
+        # One pool size for all formats: a fixed byte budget would give the smaller
+        # formats more slots, and a different schedule would blur the comparison.
+        settings["num_kv_slots"] = pool_slots(
+            args.num_prompts, args.prompt_tokens, args.new_tokens, args.kl_tokens
+        )
+    return settings
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject bad values before any model is loaded (`main` turns a ValueError into one
+    error line and exit status 2; bench/ sits below cli_errors in the layers)."""
+    for name in ("num_prompts", "prompt_tokens", "new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kl_tokens < 2:
+        raise ValueError(f"--kl-tokens must be >= 2, got {args.kl_tokens}")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run, print the table, write the JSON (and the plot)."""
+    check_args(args)
+    engine = engine_settings(args)
+    EngineConfig.from_dict({**engine, "kv_cache_dtype": REFERENCE})  # bad settings fail now
+    model = resolve_model(args.model)
+    settings = {
+        "num_prompts": args.num_prompts,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "kl_tokens": args.kl_tokens,
+        "seed": args.seed,
+        "chat": args.chat,
+    }
+    report = run_fidelity(model, args.formats, engine, settings, not args.no_progress)
+    print(markdown_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(report, args.plot)
+    print(f"{report['model_name']}: {report['elapsed_s']:.1f} s")
+    return 0
