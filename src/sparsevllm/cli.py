@@ -183,13 +183,13 @@ def _add_bench(sub: argparse._SubParsersAction, with_kinds: bool) -> None:
     kinds = p.add_subparsers(dest="bench", required=True)
     if not with_kinds:
         return
-    from sparsevllm.bench import fidelity, moe, multiturn, throughput
+    from sparsevllm.bench import fidelity_cli, moe, multiturn, throughput
     from sparsevllm.bench.quality import cli as quality
 
     throughput.add_parser(kinds, add_engine_args)
     multiturn.add_parser(kinds, add_engine_args)
     quality.add_parser(kinds)
-    fidelity.add_parser(kinds)
+    fidelity_cli.add_parser(kinds)
     moe.add_parser(kinds)
 
 
