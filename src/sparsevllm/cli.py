@@ -107,6 +107,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         f"(default: {defaults.DEFAULT_MAX_QUEUE_LEN}).",
     )
     srv.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=defaults.DEFAULT_MAX_STORED_RESPONSES,
+        help="Most /v1/responses results kept in memory for GET /v1/responses/{id} and "
+        "previous_response_id; the oldest are dropped first, 0 stores none "
+        f"(default: {defaults.DEFAULT_MAX_STORED_RESPONSES}).",
+    )
+    srv.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=defaults.DEFAULT_SHUTDOWN_GRACE_S,
@@ -135,6 +143,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
     if args.shutdown_grace_s < 0:
         raise UsageError(f"--shutdown-grace-s must be >= 0, got {args.shutdown_grace_s}")
+    if args.max_stored_responses < 0:
+        raise UsageError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     config = engine_config_from_args(args)
     from sparsevllm.server.launcher import run_server
 
@@ -147,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         shutdown_grace_s=args.shutdown_grace_s,
         log_level=args.server_log_level,
+        max_stored_responses=args.max_stored_responses,
     )
 
 

@@ -116,6 +116,20 @@ def tiny_config(path: str, **overrides: Any) -> EngineConfig:
     return EngineConfig.from_dict({**values, **overrides})
 
 
+def snapkv_chain_config(path: str, budget: int = 16, **overrides: Any) -> EngineConfig:
+    """SnapKV with a small budget over the tiny model (every prompt of the tests evicts)
+    and, with prefix caching, its cross-request mode: the chain cache."""
+    values: dict[str, Any] = {
+        "sparse_method": "snapkv",
+        "decode_keep_tokens": budget,
+        "sink_keep_tokens": 2,
+        "recent_keep_tokens": 4,
+        "snapkv_window_size": 4,
+        "chunk_prefill_size": 32,
+    }
+    return tiny_config(path, **{**values, **overrides})
+
+
 @pytest.fixture(scope="session")
 def tiny_path(tiny_model_factory) -> str:
     return tiny_model_factory("llama")

@@ -12,7 +12,7 @@ import pytest
 
 from sparsevllm.server.async_engine import AsyncEngine, EngineClosed
 
-from .conftest import TINY_NAME, RunningServer, start_server, tiny_config
+from .conftest import TINY_NAME, RunningServer, snapkv_chain_config, start_server, tiny_config
 from .test_units import FakeEngine
 
 HEADER = "X-SparseVLLM-Chain-ID"
@@ -24,16 +24,7 @@ GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8}
 @pytest.fixture(scope="module")
 def chain_server(tiny_path: str) -> Iterator[RunningServer]:
     """SnapKV with a small budget and its default cross-request mode: the chain cache."""
-    config = tiny_config(
-        tiny_path,
-        sparse_method="snapkv",
-        enable_prefix_caching=True,
-        decode_keep_tokens=BUDGET,
-        sink_keep_tokens=2,
-        recent_keep_tokens=4,
-        snapkv_window_size=4,
-        chunk_prefill_size=32,
-    )
+    config = snapkv_chain_config(tiny_path, BUDGET, enable_prefix_caching=True)
     assert config.prefix_cache_mode == "chain"
     running = start_server(config, served_model_name=TINY_NAME)
     yield running

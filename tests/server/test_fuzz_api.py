@@ -53,6 +53,7 @@ def test_the_schema_documents_every_body_and_error(fuzz_server: RunningServer):
     assert posts == {
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
         "/v1/cache/prune",
         "/tokenize",
         "/detokenize",
@@ -75,7 +76,7 @@ def test_generated_requests_get_no_5xx_and_openai_errors(fuzz_server: RunningSer
     before = greedy_text(fuzz_server)
     report = fuzz(fuzz_server.url, max_examples=10, api_key=KEY)
     assert report.requests >= 100
-    assert len(report.by_operation) == 11  # every operation of the document
+    assert len(report.by_operation) == 14  # every operation of the document
     assert not report.failures, "\n".join(report.failures[:10])
     assert report.server_errors == 0
     # Alive, idle again, and the same greedy answer as before the barrage.
@@ -86,13 +87,15 @@ def test_generated_requests_get_no_5xx_and_openai_errors(fuzz_server: RunningSer
     assert httpx.get(fuzz_server.url + "/health").status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_streamed_answers_match_the_documented_events(fuzz_server: RunningServer, path: str):
     """Regression (found by the random fuzz run): the event-stream schema described each
     event as a string, so every streamed 200 broke the documented schema."""
     body: dict[str, Any] = {"model": TINY_NAME, "max_tokens": 3, "stream": True}
     if path == "/v1/completions":
         body["prompt"] = "w1 w2"
+    elif path == "/v1/responses":
+        body = {"model": TINY_NAME, "max_output_tokens": 3, "stream": True, "input": "w1"}
     else:
         body["messages"] = [{"role": "user", "content": "w1"}]
     assert check_one(fuzz_server.url, "POST", path, body, KEY) == []

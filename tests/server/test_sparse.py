@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .conftest import TINY_NAME, RunningServer, start_server, tiny_config
+from .conftest import TINY_NAME, RunningServer, snapkv_chain_config, start_server
 
 BUDGET = 16
 LONG_PROMPT = " ".join(f"w{i}" for i in range(10, 130))  # 120 tokens, far over the budget
@@ -15,15 +15,7 @@ LONG_PROMPT = " ".join(f"w{i}" for i in range(10, 130))  # 120 tokens, far over 
 
 @pytest.fixture(scope="module")
 def snapkv_server(tiny_path: str) -> Iterator[RunningServer]:
-    config = tiny_config(
-        tiny_path,
-        sparse_method="snapkv",
-        decode_keep_tokens=BUDGET,
-        sink_keep_tokens=2,
-        recent_keep_tokens=4,
-        snapkv_window_size=4,
-        chunk_prefill_size=32,
-    )
+    config = snapkv_chain_config(tiny_path, BUDGET)
     running = start_server(config, served_model_name=TINY_NAME)
     yield running
     running.stop()

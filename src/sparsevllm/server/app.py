@@ -22,11 +22,18 @@ from sparsevllm.server.async_engine import AsyncEngine, EngineClosed
 from sparsevllm.server.cache import CachePruneRequest, cache_listing, prune_cache
 from sparsevllm.server.chat import create_chat_completion
 from sparsevllm.server.completions import create_completion
-from sparsevllm.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE_LEN
+from sparsevllm.server.defaults import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE_LEN,
+    DEFAULT_MAX_STORED_RESPONSES,
+)
 from sparsevllm.server.errors import APIError, bad_request, from_validation_error
 from sparsevllm.server.metrics import CONTENT_TYPE
 from sparsevllm.server.openapi import install_openapi
 from sparsevllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from sparsevllm.server.response_store import ResponseStore
+from sparsevllm.server.responses import create_response, delete_response, get_response
+from sparsevllm.server.responses_protocol import ResponsesRequest
 from sparsevllm.server.serving import ServingContext
 from sparsevllm.server.tokenize import (
     DetokenizeRequest,
@@ -108,13 +115,17 @@ def build_app(
     api_key: str | None = None,
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
 ) -> FastAPI:
     """The OpenAI-compatible app over `async_engine` (its worker starts with the app).
 
     `api_key` (if set) is required as `Authorization: Bearer KEY` on /v1 routes;
-    `max_queue_len` bounds the requests waiting for the engine (beyond it: 429).
+    `max_queue_len` bounds the requests waiting for the engine (beyond it: 429);
+    `max_stored_responses` is how many /v1/responses results are kept for GET and
+    `previous_response_id` (oldest dropped first).
     """
     ctx = ServingContext(async_engine, served_model_name, max_queue_len)
+    responses = ResponseStore(max_stored_responses)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -130,6 +141,7 @@ def build_app(
     _add_error_handlers(app, max_body_bytes)
     require_key = _key_check(api_key)
     app.include_router(_v1_router(ctx, require_key))
+    app.include_router(_responses_router(ctx, responses, require_key))
     app.include_router(_tokenizer_router(ctx, require_key))
     _add_ops_routes(app, ctx)
     install_openapi(app, secured=api_key is not None)
@@ -204,6 +216,29 @@ def _v1_router(ctx: ServingContext, require_key: Callable[[Request], Awaitable[N
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         return await create_chat_completion(ctx, body, request)
+
+    return router
+
+
+def _responses_router(
+    ctx: ServingContext,
+    store: ResponseStore,
+    require_key: Callable[[Request], Awaitable[None]],
+) -> APIRouter:
+    router = APIRouter(prefix="/v1/responses", dependencies=[Depends(require_key)])
+
+    @router.post("", response_model=None)
+    async def create(request: Request) -> Response:
+        body = await parse_body(request, ResponsesRequest)
+        return await create_response(ctx, store, body, request)
+
+    @router.get("/{response_id}")
+    async def get(response_id: str) -> dict[str, Any]:
+        return get_response(store, response_id)
+
+    @router.delete("/{response_id}")
+    async def delete(response_id: str) -> dict[str, Any]:
+        return delete_response(store, response_id)
 
     return router
 

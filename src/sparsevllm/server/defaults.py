@@ -6,6 +6,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # Requests allowed to wait for the engine before new ones get HTTP 429.
 DEFAULT_MAX_QUEUE_LEN = 256
+# Results of /v1/responses kept for GET and previous_response_id (oldest dropped first).
+DEFAULT_MAX_STORED_RESPONSES = 1000
 # Larger request bodies get HTTP 413 (a 128k-token prompt is well under 1 MiB of text).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # Seconds running requests may take to finish after SIGINT/SIGTERM before being aborted.

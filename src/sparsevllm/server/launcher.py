@@ -26,6 +26,7 @@ from sparsevllm.server.defaults import (
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE_LEN,
+    DEFAULT_MAX_STORED_RESPONSES,
     DEFAULT_PORT,
     DEFAULT_SHUTDOWN_GRACE_S,
 )
@@ -102,6 +103,7 @@ def make_server(
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     log_level: str = "info",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
 ) -> SparseServer:
     """A server ready to `run()` (or to run in a thread: then no signal handling)."""
     name = served_model_name or default_served_model_name(async_engine.config)
@@ -111,6 +113,7 @@ def make_server(
         api_key=api_key,
         max_queue_len=max_queue_len,
         max_body_bytes=max_body_bytes,
+        max_stored_responses=max_stored_responses,
     )
     config = uvicorn.Config(
         app,
@@ -132,6 +135,7 @@ def run_server(
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     log_level: str = "info",
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
 ) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, shut down gracefully; returns 0."""
     from sparsevllm.engine.engine import LLMEngine
@@ -155,6 +159,7 @@ def run_server(
         max_queue_len,
         shutdown_grace_s,
         log_level,
+        max_stored_responses=max_stored_responses,
     )
     server.run()
     logger.info("server stopped")

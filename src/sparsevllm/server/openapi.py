@@ -25,6 +25,7 @@ from sparsevllm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from sparsevllm.server.responses_protocol import ResponsesRequest
 from sparsevllm.server.tokenize import DetokenizeRequest, TokenizeRequest
 
 
@@ -49,12 +50,12 @@ class ErrorResponse(BaseModel):
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/cache/prune": CachePruneRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
-STREAMING = ("/v1/completions", "/v1/chat/completions")
-CHAIN_ROUTES = STREAMING
+CHAIN_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 _ERRORS = {
     "400": "Invalid request: the message names the field (`param`)",
@@ -72,6 +73,21 @@ _SSE_EVENT = {
     "type": "object",
     "required": ["data"],
     "properties": {"data": {"type": "string", "minLength": 1}, "event": {"const": "message"}},
+}
+# The Responses API names each event (`event: response.output_text.delta`, ...).
+_NAMED_SSE_EVENT = {
+    "type": "object",
+    "required": ["data", "event"],
+    "properties": {
+        "data": {"type": "string", "minLength": 1},
+        "event": {"type": "string", "minLength": 1},
+    },
+}
+# path -> the schema of each event of its `stream: true` answers
+STREAMING = {
+    "/v1/completions": _SSE_EVENT,
+    "/v1/chat/completions": _SSE_EVENT,
+    "/v1/responses": _NAMED_SSE_EVENT,
 }
 
 
@@ -131,12 +147,12 @@ def _describe(
             "required": True,
             "content": {"application/json": {"schema": by_model[model]}},
         }
-    if path in STREAMING:
+    if path in STREAMING and method == "post":
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {
             "application/json": {"schema": {"type": "object"}},
             # Before OpenAPI 3.2, an event stream's schema describes each event.
-            "text/event-stream": {"schema": _SSE_EVENT},
+            "text/event-stream": {"schema": STREAMING[path]},
         }
     if path in CHAIN_ROUTES:
         operation.setdefault("parameters", []).append(

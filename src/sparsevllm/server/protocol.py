@@ -101,10 +101,9 @@ class SamplingFields(StrictModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (n=1: the server fans `n` out itself)."""
-        temperature = 1.0 if self.temperature is None else self.temperature
         values: dict[str, Any] = {
             "max_tokens": max_tokens,
-            "temperature": 0.0 if temperature < GREEDY_TEMPERATURE else temperature,
+            "temperature": engine_temperature(self.temperature),
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
@@ -169,15 +168,24 @@ class ChatMessage(StrictModel):
     name: str | None = None
 
     def as_template_input(self) -> dict[str, str]:
-        content = self.content
-        if not isinstance(content, str):
-            content = "\n".join(part.text for part in content)
-        # Chat templates predate the "developer" role; it means what "system" means.
-        role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": content}
+        texts = self.content if isinstance(self.content, str) else [p.text for p in self.content]
+        message = template_message(self.role, texts)
         if self.name is not None:
             message["name"] = self.name
         return message
+
+
+def engine_temperature(value: float | None) -> float:
+    """OpenAI's default of 1; below GREEDY_TEMPERATURE, greedy decoding (0)."""
+    temperature = 1.0 if value is None else value
+    return 0.0 if temperature < GREEDY_TEMPERATURE else temperature
+
+
+def template_message(role: str, content: str | list[str]) -> dict[str, str]:
+    """A message as chat templates take it: text parts joined by newlines, and the
+    "developer" role as "system" (templates predate it; it means the same)."""
+    text = content if isinstance(content, str) else "\n".join(content)
+    return {"role": "system" if role == "developer" else role, "content": text}
 
 
 class ChatCompletionRequest(SamplingFields):

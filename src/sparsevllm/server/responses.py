@@ -1,0 +1,295 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API.
+
+A response is one chat turn. With `previous_response_id` the stored conversation comes
+first, and the new prompt starts with exactly the tokens of the previous turn (its
+prompt and its generated tokens, end-of-turn token included) followed by the template's
+rendering of what is new, so the chain cache (eviction methods) or the prefix cache
+(dense ones) serves the history and only the new tokens are prefilled; usage reports
+them as `input_tokens_details.cached_tokens`. Each conversation runs under one chain id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sparsevllm.outputs import RequestOutput
+from sparsevllm.server.errors import APIError, bad_request
+from sparsevllm.server.formatting import Choice, PromptInput
+from sparsevllm.server.protocol import check_context_length
+from sparsevllm.server.response_store import ResponseStore, StoredResponse
+from sparsevllm.server.responses_protocol import ResponsesRequest
+from sparsevllm.server.serving import EventStreamResponse, ServingContext, fan_out
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prompt:
+    """The rendered prompt of a turn and the conversation it carries."""
+
+    messages: list[dict[str, str]]  # history + this input (no instructions)
+    text: str
+    ids: list[int]
+
+
+async def create_response(
+    ctx: ServingContext, store: ResponseStore, req: ResponsesRequest, raw: Request
+) -> Response:
+    ctx.check_model(req.model)
+    prev = None
+    if req.previous_response_id is not None:
+        prev = store.get(req.previous_response_id)
+        if prev is None:
+            raise bad_request(
+                f"previous response {req.previous_response_id!r} is not stored (never "
+                f"created with store=true, deleted, or past the retention limit of "
+                f"{store.max_responses})",
+                param="previous_response_id",
+            )
+    with ctx.admitting(1) as admission:
+        prompt = await build_prompt(ctx, req, prev)
+        max_tokens = check_context_length(
+            len(prompt.ids), req.max_output_tokens, ctx.max_model_len, "max_output_tokens", "input"
+        )
+        response_id = f"resp_{uuid.uuid4().hex}"
+        chain_id = prev.chain_id if prev is not None else f"conv-{response_id}"
+        choices, requests = fan_out(
+            response_id, [PromptInput(prompt.ids)], req.sampling_params(max_tokens), 1, chain_id
+        )
+        stream = await ctx.submit(requests, "input", admission)
+    turn = _Turn(ctx, store, req, response_id, prompt, chain_id, choices[0])
+    if req.stream:
+        return EventStreamResponse(turn.events(stream), stream)
+    finals = await ctx.collect(stream, raw)
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    final = finals[turn.choice.request_id]
+    if final.finish_reason == "error":
+        raise APIError(500, final.error or "the engine failed", type="internal_server_error")
+    turn.choice.final = final
+    return JSONResponse(turn.finish())
+
+
+async def build_prompt(
+    ctx: ServingContext, req: ResponsesRequest, prev: StoredResponse | None
+) -> Prompt:
+    """Render the conversation; continue the previous turn's exact tokens when the
+    template renders that turn as it was generated (otherwise tokenize the whole text)."""
+    tok = ctx.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", param="input")
+    messages = (prev.messages if prev is not None else []) + req.input_messages()
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+
+    def render() -> Prompt:
+        text = tok.apply_chat_template(
+            system + messages, add_generation_prompt=True, tokenize=False
+        )
+        ids = _continued_ids(tok, prev, text) if prev is not None else None
+        if ids is None:
+            ids = list(tok.encode(text, add_special_tokens=False))
+        return Prompt(messages, text, ids)
+
+    try:
+        prompt = await ctx.run_in_tokenizer_thread(render)
+    except Exception as e:  # templates raise on inputs they refuse (e.g. role order)
+        logger.info("chat template rejected the input: %s", e)
+        raise bad_request(f"the chat template failed on this input: {e}", "input") from None
+    if not prompt.ids:
+        raise bad_request("the chat template produced an empty prompt", param="input")
+    return prompt
+
+
+def _continued_ids(tok: Any, prev: StoredResponse, text: str) -> list[int] | None:
+    """The previous turn's prompt and output tokens, then the rest of `text` tokenized;
+    None when `text` does not begin with what those tokens spell (the template rewrote
+    the history, or this request has other instructions)."""
+    said = prev.prompt_text + tok.decode(prev.output_ids, skip_special_tokens=False)
+    if not text.startswith(said):
+        return None
+    rest = list(tok.encode(text[len(said) :], add_special_tokens=False))
+    return prev.prompt_ids + prev.output_ids + rest
+
+
+class _Turn:
+    """One response: its body (in progress, or final), its stream events, and storing it."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        store: ResponseStore,
+        req: ResponsesRequest,
+        response_id: str,
+        prompt: Prompt,
+        chain_id: str,
+        choice: Choice,
+    ) -> None:
+        self.ctx, self.store, self.req = ctx, store, req
+        self.id = response_id
+        self.prompt = prompt
+        self.chain_id = chain_id
+        self.choice = choice
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+
+    # -- bodies -------------------------------------------------------------------------
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": []}]
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": content if status != "in_progress" else [],
+        }
+
+    def body(self, final: RequestOutput | None) -> dict[str, Any]:
+        req = self.req
+        status, incomplete = _status(final)
+        output = [] if final is None else [self.message(final.text, "completed")]
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "incomplete_details": incomplete,
+            "error": None,
+            "model": self.ctx.model_name,
+            "instructions": req.instructions,
+            "previous_response_id": req.previous_response_id,
+            "output": output,
+            "max_output_tokens": req.max_output_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "parallel_tool_calls": True
+            if req.parallel_tool_calls is None
+            else req.parallel_tool_calls,
+            "tool_choice": req.tool_choice or "auto",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "store": bool(req.store),
+            "metadata": req.metadata or {},
+            "user": req.user,
+            "usage": None if final is None else self.usage(final),
+            "chain_id": self.chain_id,
+            "chain_status": None if final is None else final.chain_status,
+        }
+
+    def usage(self, final: RequestOutput) -> dict[str, Any]:
+        n_in, n_out = len(self.prompt.ids), len(final.token_ids)
+        return {
+            "input_tokens": n_in,
+            "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+            "output_tokens": n_out,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": n_in + n_out,
+        }
+
+    def finish(self) -> dict[str, Any]:
+        """The final body; stored (for GET and `previous_response_id`) if `store`."""
+        final = self.choice.final
+        assert final is not None
+        body = self.body(final)
+        if self.req.store:
+            reply = {"role": "assistant", "content": final.text}
+            self.store.put(
+                self.id,
+                StoredResponse(
+                    body=body,
+                    messages=[*self.prompt.messages, reply],
+                    prompt_text=self.prompt.text,
+                    prompt_ids=self.prompt.ids,
+                    output_ids=list(final.token_ids),
+                    reply=final.text,
+                    chain_id=self.chain_id,
+                ),
+            )
+        return body
+
+    # -- streaming ----------------------------------------------------------------------
+    async def events(self, stream: Any) -> AsyncIterator[str]:
+        """The Responses API's SSE events, in order, each with its sequence number."""
+        numbers = itertools.count()
+
+        def event(kind: str, **data: Any) -> str:
+            payload = {"type": kind, "sequence_number": next(numbers), **data}
+            return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        try:
+            yield event("response.created", response=self.body(None))
+            yield event("response.in_progress", response=self.body(None))
+            item = self.message("", "in_progress")
+            yield event("response.output_item.added", output_index=0, item=item)
+            part = {"type": "output_text", "text": "", "annotations": []}
+            yield event("response.content_part.added", **where, part=part)
+            while not stream.done:
+                out = await stream.next()
+                if out.request_id != self.choice.request_id:
+                    continue
+                if out.finish_reason == "error":
+                    yield event(
+                        "error",
+                        code="server_error",
+                        message=out.error or "the engine failed",
+                        param=None,
+                    )
+                    return
+                if out.finished:
+                    self.choice.final = out
+                delta = self.choice.text_delta(out)
+                if delta:
+                    yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
+            body = self.finish()
+            text = body["output"][0]["content"][0]["text"]
+            yield event("response.output_text.done", **where, text=text, logprobs=[])
+            yield event("response.content_part.done", **where, part={**part, "text": text})
+            yield event("response.output_item.done", output_index=0, item=body["output"][0])
+            done = "response.completed" if body["status"] == "completed" else "response.incomplete"
+            yield event(done, response=body)
+        finally:
+            stream.abort()  # no-op once the request finished
+
+
+def _status(final: RequestOutput | None) -> tuple[str, dict[str, str] | None]:
+    if final is None:
+        return "in_progress", None
+    if final.finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    if final.finish_reason == "abort":
+        return "cancelled", None
+    return "completed", None
+
+
+def get_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
+    item = store.get(response_id)
+    if item is None:
+        raise _not_found(response_id)
+    return item.body
+
+
+def delete_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
+    if not store.delete(response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(
+        404,
+        f"no stored response with id {response_id!r}",
+        type="invalid_request_error",
+        param="response_id",
+        code="not_found",
+    )
