@@ -120,7 +120,7 @@ def test_small_run(essay_llama: str, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert report["engine"]["enable_prefix_caching"] is False
     s = report["settings"]
     assert (s["num_prompts"], s["new_tokens"], s["kl_positions"], s["chat"]) == (2, 8, 128, True)
-    assert s["kl_prefill_chunks"] == 1
+    assert (s["kl_chunk"], s["kl_prefill_chunks"]) == (16, 8)
     assert list(report["formats"]) == formats.split(",")
     keys = {"identical_first_n", "mean_common_prefix", "mean_kl", "max_kl", "kv_bytes_per_slot"}
     for r in report["formats"].values():
@@ -135,8 +135,8 @@ def test_small_run(essay_llama: str, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert again["kv_bytes_per_slot"] == report["reference"]["kv_bytes_per_slot"]
     for fmt in ("int8", "fp8_e4m3"):
         r = report["formats"][fmt]
-        # Quantized KV changes the prefill's logits (a chunk reads its own stored keys),
-        # differently at different positions.
+        # Quantized KV changes the logits of every chunk after the first (older chunks
+        # are read from storage), differently at different positions.
         assert 0 < r["mean_kl"] < r["max_kl"], fmt
         assert r["kv_bytes_per_slot"] < report["reference"]["kv_bytes_per_slot"]
     assert png.read_bytes()[:4] == b"\x89PNG"

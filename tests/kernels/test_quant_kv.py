@@ -255,7 +255,9 @@ def test_decode_reads_each_heads_scale(which):
 
 def run_prefill(element, dtype, heads, window=None, store_chunk=False, **tiles):
     """Chunks over cached prefixes; with `store_chunk` the chunk's K/V reach the cache
-    through store_kv (as the backend does) instead of the reference quantizer."""
+    through store_kv (as the backend does) instead of the reference quantizer. A chunk of
+    several queries reads its own K/V from k_new/v_new (unquantized), a single query reads
+    itself from the cache (the torch reference backend's rule)."""
     num_q_heads, num_kv_heads = heads
     lens = [p + n for p, n in PREFILL_SEQS]
     k, v, k_scale, v_scale, table, rows, view_lens = make_pool(lens, num_kv_heads, element, 11)
@@ -263,12 +265,12 @@ def run_prefill(element, dtype, heads, window=None, store_chunk=False, **tiles):
     q_starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).to(DEVICE)
     gen = torch.Generator().manual_seed(12)
     q = torch.randn(sum(q_lens), num_q_heads, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+    k_new = values((sum(q_lens), num_kv_heads, HEAD_DIM), gen).to(dtype).to(DEVICE)
+    v_new = values((sum(q_lens), num_kv_heads, HEAD_DIM), gen).to(dtype).to(DEVICE)
     if store_chunk:
         chunk_slots = torch.cat(
             [table[int(rows[s]), p : p + n] for s, (p, n) in enumerate(PREFILL_SEQS)]
         )
-        k_new = values((sum(q_lens), num_kv_heads, HEAD_DIM), gen).to(dtype).to(DEVICE)
-        v_new = values((sum(q_lens), num_kv_heads, HEAD_DIM), gen).to(dtype).to(DEVICE)
         store_kv(k_new, v_new, k, v, chunk_slots, k_scale, v_scale)
     scale = HEAD_DIM**-0.5
     out = torch.full_like(q, float("nan"))
@@ -277,13 +279,18 @@ def run_prefill(element, dtype, heads, window=None, store_chunk=False, **tiles):
         window=window,
         k_scale=k_scale,
         v_scale=v_scale,
+        k_new=k_new,
+        v_new=v_new,
         **tiles,
     )
     assert torch.isfinite(out).all(), "output not fully written, or a padding slot was read"
     kd, vd = dequantized(k, v, k_scale, v_scale)
     for s, (start, n) in enumerate(zip(q_starts.tolist(), q_lens)):
         view = table[int(rows[s]), : lens[s]].long()
-        ref = torch_ref.attend(q[start : start + n].double(), kd[view], vd[view], scale, window)
+        k_view, v_view = kd[view], vd[view]
+        if n > 1:  # the chunk's own rows as computed
+            k_view[-n:], v_view[-n:] = k_new[start : start + n], v_new[start : start + n]
+        ref = torch_ref.attend(q[start : start + n].double(), k_view, v_view, scale, window)
         assert rel_err(out[start : start + n], ref) < TOL[dtype]
 
 
@@ -348,3 +355,14 @@ def test_bad_scale_arguments_raise():
     for launch in launches(k, v.view(torch.float8_e4m3fn), k_scale=k_scale, v_scale=v_scale):
         with pytest.raises(ValueError, match="but v_cache is"):
             launch()
+    own = dict(k_scale=k_scale, v_scale=v_scale)
+    with pytest.raises(ValueError, match="needs k_new and v_new"):
+        prefill_attention(q, k, v, table, rows, q_starts, view_lens, 0.1, out, 1, **own)
+    k_new = torch.zeros(2, 2, HEAD_DIM, device=DEVICE)
+    with pytest.raises(ValueError, match=r"k_new must be \[2, 2, "):
+        prefill_attention(
+            *(q, k, v, table, rows, q_starts, view_lens, 0.1, out, 1),
+            **own,
+            k_new=k_new[:1],
+            v_new=k_new,
+        )

@@ -2,6 +2,12 @@
 
 Runs on any device and every storage format (the storage quantizes on store and
 dequantizes what a view reads); it is the CPU path and the oracle for the Triton kernels.
+A chunk of more than one query reads the older view entries from storage and its own
+keys and values as computed, as HF's quantized caches and KIVI attend a prefill to its
+fresh K/V: a prompt prefilled in one chunk is exact in every format, and the format acts
+on what later chunks and decode steps read. A single query (a decode step, or a chunk of
+one token) reads its whole view, itself included, from storage, as the Triton decode
+kernel does.
 """
 
 from __future__ import annotations
@@ -46,11 +52,17 @@ class TorchRefBackend(AttentionBackend):
                 k_i, v_i = storage.read(view)
             else:
                 k_i, v_i = gather_selected(storage, view, selected)
-            out[start : start + n] = attend(q_i, k_i, v_i, scale, window)
             if rows:
                 if selected is not None:
                     raise RuntimeError("scores over a selected view are not supported")
+                # Stored keys, as the Triton scores kernel reads them: a method ranks what
+                # later steps will attend to.
                 batch.sparse.put_scores(layer, i, attention_mass(q_i[-rows:], k_i, scale, window))
+            if n > 1 and not storage.format.is_model_dtype:
+                own = slice(start, start + n)  # the view's last n rows
+                k_i = torch.cat([k_i[:-n], k[own].to(k_i.dtype)])
+                v_i = torch.cat([v_i[:-n], v[own].to(v_i.dtype)])
+            out[start : start + n] = attend(q_i, k_i, v_i, scale, window)
         return out
 
 

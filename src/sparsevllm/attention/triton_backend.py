@@ -61,6 +61,8 @@ class TritonBackend(AttentionBackend):
             window=window,
             k_scale=k_scale,
             v_scale=v_scale,
+            k_new=None if k_scale is None else k,
+            v_new=None if k_scale is None else v,
         )
         if window is None and batch.sparse.select_views is not None and 1 in batch.q_lens:
             self._single_query_views(layer, q, batch, scale, out)

@@ -20,12 +20,15 @@ other format runs the same work in its own engine, and two measures compare them
   Reported: the mean and max over positions of KL(P || Q) in nats (computed in float64),
   and the fraction of positions whose argmax agrees.
 
-Prefill is where the format matters for the KL pass: the reference attention backend
-(attention/torch_ref.py) stores a chunk's K/V into the format first and then reads the
-whole view back through the storage, so a chunk's queries see its own keys and values
-quantized too, as decode steps see every earlier token's. The KL text is prefilled in
-ceil(kl_tokens / chunk_prefill_size) chunks (one at the defaults, 2048 / 2048); the JSON
-records the count.
+Where a format can matter: the reference attention backend (attention/torch_ref.py) and
+the Triton kernels attend a forward's queries to their own forward's K/V as computed and
+to every older token as stored, so a prompt prefilled in one chunk is exact and the
+format acts from the first decode step on (and on a later chunk's view of the earlier
+ones). The agreement prompts are prefilled in one chunk each and then decode 32 steps over
+the stored prompt. The KL text runs in an engine of its own whose `chunk_prefill_size` is
+`--kl-chunk` (16 by default): each position's query reads all but the last < 16 earlier
+positions from storage, as a decode step would, at a fraction of 2,048 decode steps' cost.
+The JSON records the chunk and the count.
 
 Every engine gets the same fixed pool (`num_kv_slots`, sized to the work unless given),
 no prefix caching and the vanilla method, so auto and the formats schedule the same
@@ -44,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 from sparsevllm.bench.quality.layout import Haystack, fit_length
-from sparsevllm.config import EngineConfig
 from sparsevllm.kv.names import FORMAT_NAMES
 
 REFERENCE = "auto"
@@ -53,6 +55,7 @@ DEFAULT_NUM_PROMPTS = 20
 DEFAULT_PROMPT_TOKENS = 1024
 DEFAULT_NEW_TOKENS = 32
 DEFAULT_KL_TOKENS = 2048
+DEFAULT_KL_CHUNK = 16
 DEFAULT_DTYPE = "float32"
 HEADER = "Read the essay below, then answer the question after it."
 QUESTION = (
@@ -198,9 +201,8 @@ def compare(ref: dict[str, Any], run: dict[str, Any], new_tokens: int) -> dict[s
 # ------------------------------------------------------------------------ engines
 
 
-def measure(llm: Any, prompts: list[list[int]], kl: list[int], new_tokens: int) -> dict[str, Any]:
-    """One engine's greedy tokens for every prompt (one batched call) and its logits at
-    every position of the KL text."""
+def greedy(llm: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """One engine's greedy tokens for every prompt (one batched call)."""
     from sparsevllm.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -212,11 +214,9 @@ def measure(llm: Any, prompts: list[list[int]], kl: list[int], new_tokens: int) 
                 f"prompt {i}: {len(out.token_ids)} of {new_tokens} tokens, "
                 f"finish_reason {out.finish_reason}"
             )
-    logits = llm.prompt_logits(kl)
     runner = llm.engine.runner
     return {
         "tokens": [list(out.token_ids) for out in outputs],
-        "logits": logits,
         "stats": llm.stats(),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
@@ -231,7 +231,8 @@ def run_engine(
     work: dict[str, Any] | None,
     setup: Callable[[Any], dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Build an engine storing KV as `fmt`, measure it, close it: (run, work). The work
+    """Measure `fmt`: the greedy pass in one engine, the KL pass in another whose chunk is
+    the work's `kl_chunk`, each closed before the next starts: (run, work). The work
     (prompts and KL ids) is `setup(tokenizer)` when not given: the reference builds it."""
     from sparsevllm.llm import LLM
 
@@ -242,9 +243,17 @@ def run_engine(
         if work is None:
             assert setup is not None
             work = setup(llm.tokenizer)
-        run = measure(llm, work["prompts"], work["kl_ids"], work["new_tokens"])
+        run = greedy(llm, work["prompts"], work["new_tokens"])
     finally:
-        llm.close()  # the next format's engine needs the memory
+        llm.close()  # the next engine needs the memory
+    chunk = work["kl_chunk"]
+    llm = LLM(model, **{**engine, "chunk_prefill_size": chunk}, kv_cache_dtype=fmt)
+    try:
+        t0 = time.perf_counter()
+        run["logits"] = llm.prompt_logits(work["kl_ids"])
+        run["kl_elapsed_s"] = time.perf_counter() - t0
+    finally:
+        llm.close()
     return {**run, "load_s": load_s}, work
 
 
@@ -272,7 +281,13 @@ def run_fidelity(
             tokenizer, s["num_prompts"], s["prompt_tokens"], s["seed"], chat
         )
         kl = kl_ids(tokenizer, s["kl_tokens"], s["seed"])
-        return {"prompts": prompts, "kl_ids": kl, "new_tokens": s["new_tokens"], "chat": chat}
+        return {
+            "prompts": prompts,
+            "kl_ids": kl,
+            "kl_chunk": s.get("kl_chunk", DEFAULT_KL_CHUNK),
+            "new_tokens": s["new_tokens"],
+            "chat": chat,
+        }
 
     started = time.time()
     bar = tqdm(total=1 + len(formats), desc="fidelity", unit="engine", disable=not progress)
@@ -307,7 +322,6 @@ def build_report(
     import torch
 
     lengths = [len(p) for p in work["prompts"]]
-    chunk = int(engine.get("chunk_prefill_size") or EngineConfig().chunk_prefill_size)
     return {
         "model": model,
         "model_name": Path(model.rstrip("/")).name,
@@ -331,7 +345,8 @@ def build_report(
                 "max": max(lengths),
             },
             "kl_positions": len(work["kl_ids"]),
-            "kl_prefill_chunks": math.ceil(len(work["kl_ids"]) / chunk),
+            "kl_chunk": work["kl_chunk"],
+            "kl_prefill_chunks": math.ceil(len(work["kl_ids"]) / work["kl_chunk"]),
         },
         "engine": engine,
         "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),

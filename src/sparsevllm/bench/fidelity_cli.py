@@ -11,6 +11,7 @@ from typing import Any
 from sparsevllm.bench.fidelity import (
     DEFAULT_DTYPE,
     DEFAULT_FORMATS,
+    DEFAULT_KL_CHUNK,
     DEFAULT_KL_TOKENS,
     DEFAULT_NEW_TOKENS,
     DEFAULT_NUM_PROMPTS,
@@ -150,6 +151,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_int(w, "--prompt-tokens", DEFAULT_PROMPT_TOKENS, "Tokens per agreement prompt (+-2%%)")
     _add_int(w, "--new-tokens", DEFAULT_NEW_TOKENS, "Greedy tokens generated per prompt")
     _add_int(w, "--kl-tokens", DEFAULT_KL_TOKENS, "Tokens of the teacher-forced KL text")
+    _add_int(
+        w,
+        "--kl-chunk",
+        DEFAULT_KL_CHUNK,
+        "Prefill chunk of the KL text: a chunk's queries read its own K/V as computed and "
+        "everything older from storage, so small chunks measure what decode steps see",
+    )
     w.add_argument("--seed", type=int, default=0, help="Seed of the texts (default: 0).")
     w.add_argument(
         "--chat",
@@ -220,7 +228,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 def check_args(args: argparse.Namespace) -> None:
     """Reject bad values before any model is loaded (`main` turns a ValueError into one
     error line and exit status 2; bench/ sits below cli_errors in the layers)."""
-    for name in ("num_prompts", "prompt_tokens", "new_tokens"):
+    for name in ("num_prompts", "prompt_tokens", "new_tokens", "kl_chunk"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.kl_tokens < 2:
@@ -238,6 +246,7 @@ def run_cli(args: argparse.Namespace) -> int:
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "kl_tokens": args.kl_tokens,
+        "kl_chunk": args.kl_chunk,
         "seed": args.seed,
         "chat": args.chat,
     }

@@ -22,7 +22,10 @@ block.
 
 Quantized caches (int8 / float8_e4m3fn with per-token, per-head scales) are read as in
 decode.py: elements converted to the query's dtype, key scales folded into the logit
-columns and value scales into the probabilities before P@V.
+columns and value scales into the probabilities before P@V. A chunk of more than one
+query reads its own keys and values from `k_new` / `v_new` (the forward's K/V as
+computed, scale 1) and only the older view entries from the cache, as the torch reference
+does; a single query (a decode-like row) reads itself from the cache.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def _softmax_step(  # type: ignore[no-untyped-def]  # Triton reads annotations a
     ks_ptrs,
     vs_ptrs,
     n_mask,
+    kf_ptrs,
+    vf_ptrs,
+    fresh,
     m_i,
     l_i,
     acc,
@@ -71,13 +77,20 @@ def _softmax_step(  # type: ignore[no-untyped-def]  # Triton reads annotations a
 ):
     """One key tile of the online softmax; `visible` [BLOCK_M, BLOCK_N] only if MASKED.
     With QUANT, `ks_ptrs`/`vs_ptrs` [BLOCK_N] point at the keys' scales (`n_mask`: the
-    loadable ones, read only if MASKED)."""
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    loadable ones, read only if MASKED), and the keys where `fresh` [BLOCK_N] is set come
+    unscaled from `kf_ptrs`/`vf_ptrs` (the chunk's own K/V) instead of the cache."""
     if QUANT:
-        k = k.to(q.dtype)
+        own = fresh[:, None]  # [BLOCK_N, 1]
+        k = tl.where(
+            own,
+            tl.load(kf_ptrs, mask=kv_mask & own, other=0.0).to(q.dtype),
+            tl.load(k_ptrs, mask=kv_mask & ~own, other=0.0).to(q.dtype),
+        )  # [BLOCK_N, BLOCK_D]
+    else:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
     if QUANT:
-        k_sc = _load_scales(ks_ptrs, n_mask, MASKED)  # [BLOCK_N]
+        k_sc = tl.where(fresh, 1.0, _load_scales(ks_ptrs, n_mask, MASKED))  # [BLOCK_N]
         qk = qk * (k_sc * qk_scale)[None, :]
     else:
         qk = qk * qk_scale
@@ -93,12 +106,17 @@ def _softmax_step(  # type: ignore[no-untyped-def]  # Triton reads annotations a
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     if QUANT:
-        v_sc = _load_scales(vs_ptrs, n_mask, MASKED)  # [BLOCK_N]
+        own = fresh[:, None]
+        v = tl.where(
+            own,
+            tl.load(vf_ptrs, mask=kv_mask & own, other=0.0).to(q.dtype),
+            tl.load(v_ptrs, mask=kv_mask & ~own, other=0.0).to(q.dtype),
+        )  # [BLOCK_N, BLOCK_D]
+        v_sc = tl.where(fresh, 1.0, _load_scales(vs_ptrs, n_mask, MASKED))  # [BLOCK_N]
         pv = (p * v_sc[None, :]).to(q.dtype)  # l_i keeps the unscaled sum
-        v = v.to(q.dtype)
     else:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         pv = p.to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
     return m_new, l_i, acc
@@ -120,6 +138,12 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
     stride_ksh,
     stride_vss,
     stride_vsh,
+    k_new_ptr,
+    v_new_ptr,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     qk_scale,
     window,
     stride_qt,
@@ -185,9 +209,15 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
         v_base = v_cache_ptr + kvh * stride_vch
         ks_base = k_scale_ptr + kvh * stride_ksh  # a dummy without QUANT, never read
         vs_base = v_scale_ptr + kvh * stride_vsh
+        kn_base = k_new_ptr + kvh * stride_knh  # the chunk's own K/V (read only with QUANT)
+        vn_base = v_new_ptr + kvh * stride_vnh
+        # View positions >= own_start are the chunk's own tokens; a single query has none.
+        own_start = tl.where(q_len > 1, view_len - q_len, view_len)
         dm = d_mask[None, :]
         for j in range(lo, full_end, BLOCK_N):
-            slot = tl.load(table_row + j + offs_n).to(tl.int64)  # [BLOCK_N]; < full_end <= L
+            offs = j + offs_n  # [BLOCK_N] key view positions
+            slot = tl.load(table_row + offs).to(tl.int64)  # [BLOCK_N]; < full_end <= L
+            new_row = tl.maximum(q_start + offs - own_start, 0).to(tl.int64)
             m_i, l_i, acc = _softmax_step(
                 q,
                 k_base + slot[:, None] * stride_kcs + offs_d[None, :],
@@ -196,6 +226,9 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
                 ks_base + slot * stride_kss,
                 vs_base + slot * stride_vss,
                 None,
+                kn_base + new_row[:, None] * stride_knt + offs_d[None, :],
+                vn_base + new_row[:, None] * stride_vnt + offs_d[None, :],
+                offs >= own_start,
                 m_i,
                 l_i,
                 acc,
@@ -209,6 +242,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
             offs = j + offs_n  # [BLOCK_N] key view positions
             k_valid = offs < hi
             slot = tl.load(table_row + offs, mask=k_valid, other=0).to(tl.int64)
+            new_row = tl.maximum(q_start + offs - own_start, 0).to(tl.int64)
             # Padded query rows (offs_m >= q_len) have q_pos >= hi: they see every loaded
             # key, stay finite, and are never stored.
             visible = (offs[None, :] <= q_pos[:, None]) & k_valid[None, :]
@@ -222,6 +256,9 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
                 ks_base + slot * stride_kss,
                 vs_base + slot * stride_vss,
                 k_valid,
+                kn_base + new_row[:, None] * stride_knt + offs_d[None, :],
+                vn_base + new_row[:, None] * stride_vnt + offs_d[None, :],
+                (offs >= own_start) & k_valid,
                 m_i,
                 l_i,
                 acc,
@@ -235,6 +272,28 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dm)
+
+
+def check_new_kv(
+    quantized: bool,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    num_tokens: int,
+    k_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's own K/V for a quantized cache (required: `[T, Hkv, D]`, unit-stride last
+    dim); a model-dtype cache reads them from itself and gets the cache as a dummy."""
+    if not quantized:
+        if k_new is not None or v_new is not None:
+            raise ValueError("k_new/v_new go with a quantized cache (k_scale/v_scale)")
+        return k_cache, k_cache
+    want = (num_tokens, *k_cache.shape[1:])
+    if k_new is None or v_new is None:
+        raise ValueError("a quantized cache needs k_new and v_new (the chunks' own K/V)")
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(t.shape) != want or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be {list(want)} with a unit-stride last dim")
+    return k_new, v_new
 
 
 def prefill_config(head_dim: int, max_q_len: int, dtype: torch.dtype) -> dict[str, int]:
@@ -275,6 +334,8 @@ def prefill_attention(
     num_stages: int | None = None,
     k_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
     v_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
+    k_new: torch.Tensor | None = None,  # [T, Hkv, D] the forward's own K (model dtype)
+    v_new: torch.Tensor | None = None,  # [T, Hkv, D]
 ) -> torch.Tensor:
     """Causal attention of every chunk query over its view; writes and returns `out`.
 
@@ -282,13 +343,15 @@ def prefill_attention(
     `window` (sliding-window layers): each query sees itself and the window - 1 view
     entries before it. The keyword-only tile options override `prefill_config`.
     `k_scale`/`v_scale` go with (and only with) an int8 or float8_e4m3fn cache: value =
-    element * scale of its (slot, KV head), as kv.scaled.dequantize.
+    element * scale of its (slot, KV head), as kv.scaled.dequantize; with them go
+    `k_new`/`v_new`, the K/V the chunks' queries read for their own tokens (see above).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_seqs = rows.shape[0]
     q = check_attention_args(q, k_cache, v_cache, table, out)
     quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    k_new, v_new = check_new_kv(quantized, k_new, v_new, num_tokens, k_cache)
     # A quantized cache's elements are converted to q's dtype: the dots run in it.
     compute_dtype = q.dtype if quantized else k_cache.dtype
     if q_starts.shape != (num_seqs + 1,) or view_lens.shape != (num_seqs,):
@@ -315,6 +378,12 @@ def prefill_attention(
         view_lens,
         out,
         *scale_launch_args(k_scale, v_scale, rows),
+        k_new,
+        v_new,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
         float(scale) * LOG2E,
         int(window or 0),
         q.stride(0),
