@@ -41,6 +41,7 @@ METHOD_KNOBS: dict[str, dict[str, Any]] = {
     "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": 20},
     "snapkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "pyramidkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
+    "adakv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "knorm": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "keydiff": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     # Partitions of 8: the 61-token prompt has six scored ones.

@@ -90,6 +90,17 @@ def test_resident_slots_equal_budget_after_prefill(model, method):
     assert trace[0] == expected
 
 
+def test_adakv_view_is_as_wide_as_its_widest_head(model):
+    knobs = {"decode_keep_tokens": 24, "sink_keep_tokens": 4, "recent_keep_tokens": 8}
+    llm = LLM(model, sparse_method="adakv", **knobs)
+    trace = resident_after_each_step(llm, PROMPTS[0], 3)  # 61 prompt tokens, one full step
+    method = llm.engine.runner.method
+    worst = method.decode_resident(61, 0)
+    assert all(24 <= n <= worst for n in trace[0])
+    assert max(trace[0]) > 24  # some head took more than the uniform share
+    assert trace[1] == [n + 1 for n in trace[0]]  # decode appends
+
+
 @pytest.mark.parametrize("method", ["h2o", "tova", "streamingllm"])
 def test_long_decode_stays_within_budget_plus_interval(model, method):
     budget, interval = 20, 8

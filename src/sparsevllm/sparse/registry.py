@@ -38,6 +38,7 @@ _MODULES: dict[str, str] = {
         "streamingllm",
         "snapkv",
         "pyramidkv",
+        "adakv",
         "h2o",
         "tova",
         "knorm",
