@@ -48,6 +48,7 @@ METHOD_KNOBS: dict[str, dict[str, Any]] = {
     "lagkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8, "lagkv_lag_size": 8},
     "strided": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "h2o": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "sink_keep_tokens": 2},
+    "rkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "rkv_interval": 8},
     "tova": {"decode_keep_tokens": 24, "recent_keep_tokens": 0, "sink_keep_tokens": 0},
     "quest": {
         "decode_keep_tokens": 16,

@@ -40,6 +40,7 @@ _MODULES: dict[str, str] = {
         "pyramidkv",
         "adakv",
         "h2o",
+        "rkv",
         "tova",
         "knorm",
         "keydiff",
