@@ -41,12 +41,14 @@ METHOD_KNOBS: dict[str, dict[str, Any]] = {
     "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": 20},
     "snapkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "pyramidkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
+    "adakv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "knorm": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "keydiff": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     # Partitions of 8: the 61-token prompt has six scored ones.
     "lagkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8, "lagkv_lag_size": 8},
     "strided": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "h2o": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "sink_keep_tokens": 2},
+    "rkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "rkv_interval": 8},
     "tova": {"decode_keep_tokens": 24, "recent_keep_tokens": 0, "sink_keep_tokens": 0},
     "quest": {
         "decode_keep_tokens": 16,

@@ -12,7 +12,7 @@ from sparsevllm import LLM, SamplingParams
 PROMPTS = [[1] + list(range(10 + 7 * i, 40 + 9 * i)) for i in range(6)]
 KNOBS = {
     m: METHOD_KNOBS[m]
-    for m in ("vanilla", "snapkv", "pyramidkv", "quest", "omnikv", "h2o", "streamingllm")
+    for m in ("vanilla", "snapkv", "pyramidkv", "adakv", "quest", "omnikv", "h2o", "streamingllm")
 }
 OPTS_OUT = {"h2o", "streamingllm"}  # they evict while decoding: never scheduled ahead
 

@@ -201,6 +201,71 @@ def test_decode_scores(dtype, heads, num_splits, subset_cap):
     run_decode(dtype, heads, 128, DECODE_LENS, num_splits, subset_cap, scores=True, seed=5)
 
 
+def per_head_reference(q, k_cache, v_cache, table, rows, lens, scale, subset, counts):
+    """float64 output when KV head h of sequence s reads subset[s, h, :counts[s, h]] and
+    the sequence's own token (one head at a time: no shared count)."""
+    num_seqs, num_q_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for s in range(num_seqs):
+        n = int(lens[s])
+        view = table[int(rows[s]), :n].long()
+        for h in range(num_kv_heads):
+            c = int(counts[s, h])
+            pos = torch.arange(n - 1) if c < 0 else subset[s, h, :c].long().cpu()
+            slots = view[torch.cat([pos, torch.tensor([n - 1])]).to(view.device)]
+            k, v = k_cache[slots, h].double(), v_cache[slots, h].double()  # [n', D]
+            for g in range(h * group, (h + 1) * group):
+                p = (k @ q[s, g].double() * scale).softmax(dim=-1)
+                out[s, g] = p @ v
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_subset_counts_per_kv_head(dtype, num_splits):
+    # Ada-KV's views: every KV head of a sequence reads its own number of positions
+    # (counts [S, Hkv], 0 included); a row of -1 reads the whole view.
+    lens = [2, 9, 65, 300]
+    k_cache, v_cache, table, rows, view_lens = make_pool(lens, 2, 64, dtype, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(dtype).to(DEVICE)
+    subset, _ = random_subset([n for n in lens], 2, 200, seed=9)
+    full = [min(n - 1, 200, [0, 200, max(1, n // 3)][s % 3]) for s, n in enumerate(lens)]
+    counts = torch.tensor([[c, c // 2] for c in full], dtype=torch.int32)
+    counts[3] = -1
+    counts = counts.to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        view_lens,
+        0.125,
+        out,
+        subset=subset,
+        subset_lens=counts,
+        num_splits=num_splits,
+    )
+    ref = per_head_reference(q, k_cache, v_cache, table, rows, view_lens, 0.125, subset, counts)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[dtype]
+    # The torch reference backend reads the same per-head views.
+    for s in range(len(lens)):
+        view = table[int(rows[s]), : lens[s]].long()
+        sel, mask = torch_ref._row_selection(subset[s], counts[s].cpu())
+        storage = DenseStorage.wrap(k_cache.double(), v_cache.double())
+        if sel is None:
+            k, v = storage.read(view)
+        else:
+            k, v = torch_ref.gather_selected(storage, view, sel)
+        got = torch_ref.attend(q[s : s + 1].double(), k, v, 0.125, key_mask=mask)
+        torch.testing.assert_close(got[0], ref[s], atol=1e-9, rtol=1e-9)
+
+
 def test_decode_padding_row_is_zero():
     # CUDA-graph padding: a sequence with an empty view must produce zeros, not NaN.
     k_cache, v_cache, table, rows, view_lens = make_pool([5, 9], 2, 64, torch.float32)

@@ -90,7 +90,18 @@ def test_resident_slots_equal_budget_after_prefill(model, method):
     assert trace[0] == expected
 
 
-@pytest.mark.parametrize("method", ["h2o", "tova", "streamingllm"])
+def test_adakv_view_is_as_wide_as_its_widest_head(model):
+    knobs = {"decode_keep_tokens": 24, "sink_keep_tokens": 4, "recent_keep_tokens": 8}
+    llm = LLM(model, sparse_method="adakv", **knobs)
+    trace = resident_after_each_step(llm, PROMPTS[0], 3)  # 61 prompt tokens, one full step
+    method = llm.engine.runner.method
+    worst = method.decode_resident(61, 0)
+    assert all(24 <= n <= worst for n in trace[0])
+    assert max(trace[0]) > 24  # some head took more than the uniform share
+    assert trace[1] == [n + 1 for n in trace[0]]  # decode appends
+
+
+@pytest.mark.parametrize("method", ["h2o", "rkv", "tova", "streamingllm"])
 def test_long_decode_stays_within_budget_plus_interval(model, method):
     budget, interval = 20, 8
     knobs = {
@@ -100,16 +111,23 @@ def test_long_decode_stays_within_budget_plus_interval(model, method):
             "sink_keep_tokens": 2,
             "recent_keep_tokens": 6,
         },
+        "rkv": {
+            "decode_keep_tokens": budget,
+            "rkv_interval": interval,
+            "sink_keep_tokens": 2,
+            "recent_keep_tokens": 6,
+        },
         "tova": {"decode_keep_tokens": budget, "sink_keep_tokens": 0, "recent_keep_tokens": 0},
         "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": budget - 4},
     }[method]
     llm = LLM(model, sparse_method=method, chunk_prefill_size=16, **knobs)
     trace = resident_after_each_step(llm, PROMPTS[0], 120)
     peak = max(max(layers) for layers in trace)
-    limit = budget + (interval if method == "h2o" else 0)
+    bursts = method in ("h2o", "rkv")
+    limit = budget + (interval if bursts else 0)
     assert peak <= limit
     assert trace[-2] and min(trace[-2]) >= budget  # it kept working at the budget
-    if method == "h2o":
+    if bursts:
         assert peak > budget  # the burst really waits for the interval
 
 

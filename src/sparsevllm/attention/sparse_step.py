@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from sparsevllm.sparse.base import KVAccess, SeqStep
 
 # select_views(layer, q [S, num_heads, head_dim], batch) -> (subset [S, Hkv, B] int32,
-# lens [S] int32) context positions each sequence's single query reads, or None for the
-# whole views (the contract is SparseMethod.select_views).
+# lens [S] or [S, Hkv] int32) context positions each sequence's single query reads, or
+# None for the whole views (the contract is SparseMethod.select_views).
 SelectViews: TypeAlias = (
     "Callable[[int, torch.Tensor, ForwardBatch], tuple[torch.Tensor, torch.Tensor] | None]"
 )

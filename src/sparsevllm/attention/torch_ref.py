@@ -45,9 +45,9 @@ class TorchRefBackend(AttentionBackend):
                 # Nothing older than the first query's window is read: skip gathering it.
                 view = view[-(n - 1 + window) :]
             q_i = q[start : start + n]
-            selected = None
-            if picks is not None and n == 1 and picks[1][i] >= 0:
-                selected = picks[0][i, :, : picks[1][i]].long()  # [Hkv, B_i]
+            selected = key_mask = None
+            if picks is not None and n == 1:
+                selected, key_mask = _row_selection(picks[0][i], picks[1][i])
             if selected is None:
                 k_i, v_i = storage.read(view)
             else:
@@ -62,13 +62,13 @@ class TorchRefBackend(AttentionBackend):
                 own = slice(start, start + n)  # the view's last n rows
                 k_i = torch.cat([k_i[:-n], k[own].to(k_i.dtype)])
                 v_i = torch.cat([v_i[:-n], v[own].to(v_i.dtype)])
-            out[start : start + n] = attend(q_i, k_i, v_i, scale, window)
+            out[start : start + n] = attend(q_i, k_i, v_i, scale, window, key_mask)
         return out
 
 
 def _selection(
     layer: int, q: torch.Tensor, batch: ForwardBatch
-) -> tuple[torch.Tensor, list[int]] | None:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The method's batched selection for the sequences with a single new query (their
     last query stands for all: rows with more queries ignore it); lens on the host."""
     select_views = batch.sparse.select_views
@@ -80,7 +80,26 @@ def _selection(
     if picked is None:
         return None
     subset, lens = picked
-    return subset, lens.tolist()
+    return subset, lens.cpu()
+
+
+def _row_selection(
+    subset: torch.Tensor, lens: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One row's picks: subset `[Hkv, B]` and its count (`[]`, or `[Hkv]` per KV head)
+    -> (positions `[Hkv, B_i]` or None for the whole view, key mask `[Hkv, B_i + 1]` or
+    None when every head reads all its B_i positions and the new token)."""
+    if lens.dim() == 0 or bool((lens == lens[0]).all()):
+        n = int(lens.reshape(-1)[0])
+        return (None, None) if n < 0 else (subset[:, :n].long(), None)
+    if bool((lens < 0).any()):
+        raise ValueError("per-head subset counts must all be >= 0 (or the row's all -1)")
+    width = int(lens.max())
+    cols = torch.arange(width + 1)  # [B_i + 1]: the new token (last column) is always read
+    mask = ((cols[None, :] < lens[:, None]) | (cols[None, :] == width)).to(subset.device)
+    # Entries past a head's count are unspecified: read position 0 there (masked out).
+    picks = torch.where(mask[:, :width], subset[:, :width], 0)  # [Hkv, B_i]
+    return picks.long(), mask  # mask: [Hkv, B_i + 1], the new token always read
 
 
 def gather_selected(
@@ -104,11 +123,13 @@ def attend(
     v: torch.Tensor,
     scale: float,
     window: int | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of the last `n` view entries' queries over the whole view.
 
     q: [n, Hq, D]; k, v: [L, Hkv, D] with the queries' own keys as the last n rows.
     `window`: each query sees only itself and the `window - 1` view entries before it.
+    `key_mask` `[Hkv, L]` (single query only): the keys each KV head may read.
     """
     n = q.shape[0]
     if window is not None:
@@ -123,8 +144,11 @@ def attend(
         # A single query sees every kept key, so the G query heads of a KV head can be
         # folded into the query axis: one [G, L] product per KV head, no GQA expansion.
         qf = q.reshape(hkv, hq // hkv, d).unsqueeze(0)  # [1, Hkv, G, D]
-        out = F.scaled_dot_product_attention(qf, kt, vt, scale=scale)
+        mask = None if key_mask is None else key_mask[None, :, None, :]  # [1, Hkv, 1, L]
+        out = F.scaled_dot_product_attention(qf, kt, vt, attn_mask=mask, scale=scale)
         return out.reshape(1, hq, d)
+    if key_mask is not None:
+        raise ValueError("a per-head key mask serves a single query")
     mask = causal_mask(n, k.shape[0], q.device, window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, Hq, n, D]: 4-D inputs take SDPA's fast path

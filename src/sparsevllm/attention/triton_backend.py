@@ -98,7 +98,7 @@ class TritonBackend(AttentionBackend):
         if window is None:
             select_views = batch.sparse.select_views
             if select_views is not None:
-                # One batched call per layer: [S, Hkv, B] positions and [S] counts.
+                # One batched call per layer: [S, Hkv, B] positions, [S] or [S, Hkv] counts.
                 subset, subset_lens = select_views(layer, q, batch) or (None, None)
             want = [batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs)]
         scores = None
@@ -149,7 +149,7 @@ class TritonBackend(AttentionBackend):
         picked = select_views(layer, q_last, batch)
         if picked is None:
             return
-        subset, lens = picked  # [S, Hkv, B], [S] (-1: the whole view)
+        subset, lens = picked  # [S, Hkv, B], [S] or [S, Hkv] (-1: the whole view)
         group = batch.group_of_layer[layer]
         q_one = q_last[ones_t]  # [R, Hq, D]
         res = torch.empty_like(q_one)

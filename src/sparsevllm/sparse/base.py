@@ -22,7 +22,9 @@ The host (runner, scheduler) asks a method what it needs and never which method 
   its view each sequence's single query reads (OmniKV, Quest), as `subset [S, Hkv, B]`
   int32 context positions (the view minus the new token, ascending per KV head; the new
   token is always read on top) and `lens [S]` int32 (row s reads `subset[s, h,
-  :lens[s]]`; `lens[s] < 0`: its whole view; entries past lens[s] are unspecified).
+  :lens[s]]`; `lens[s] < 0`: its whole view; entries past lens[s] are unspecified), or
+  `lens [S, Hkv]`, a count per KV head (row s, head h reads `subset[s, h, :lens[s, h]]`;
+  a row's counts are all >= 0, or all -1 for its whole view).
   Storage is untouched. An override keeps B a function of config and shapes only and
   never synchronises with the host (no `.item()`, `.tolist()`, `.cpu()` or shapes
   taken from data), so a decode step can run inside a CUDA graph. The default packs the
@@ -263,7 +265,8 @@ class SparseMethod:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Batched `select_view` (see the module docstring): q `[S, Hq, D]` is each
         sequence's last query; rows with several new queries are ignored by backends.
-        Returns (subset `[S, Hkv, B]` int32, lens `[S]` int32) or None (all read all)."""
+        Returns (subset `[S, Hkv, B]` int32, lens `[S]` or `[S, Hkv]` int32) or None (all
+        read all)."""
         picks = [
             self.select_view(layer, i, q[i], batch) if batch.q_lens[i] == 1 else None
             for i in range(len(batch.q_lens))
@@ -399,15 +402,19 @@ class ScoreEviction(SparseMethod):
                 if not self.should_compress(step, resident, layer):
                     continue
                 attn = scores.get(layer, [None] * (step.row + 1))[step.row]
-                s = self.score(layer, step, kv, attn)
-                keep = select_keep(
-                    s,
-                    self.layer_budget(layer),
-                    self.config.sink_keep_tokens,
-                    self.config.recent_keep_tokens,
-                )
-                kv.keep_per_head(step.seq_id, layer, keep)
-                self.on_compressed(step.seq_id, layer, keep)
+                self.compress(layer, step, kv, attn)
+
+    def compress(self, layer: int, step: SeqStep, kv: KVAccess, attn: torch.Tensor | None) -> None:
+        """Score one layer of the sequence and keep its budget per KV head."""
+        s = self.score(layer, step, kv, attn)
+        keep = select_keep(
+            s,
+            self.layer_budget(layer),
+            self.config.sink_keep_tokens,
+            self.config.recent_keep_tokens,
+        )
+        kv.keep_per_head(step.seq_id, layer, keep)
+        self.on_compressed(step.seq_id, layer, keep)
 
     def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
         """Hook for methods with per-token state that must follow the compaction."""

@@ -74,6 +74,8 @@ def _decode_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     stride_tr,
     stride_ss,
     stride_sh,
+    stride_sls,
+    stride_slh,
     stride_os,
     stride_oh,
     stride_scs,
@@ -110,7 +112,8 @@ def _decode_partial_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     if HAS_SUBSET:
         # Effective sequence: subset[0 : n_sel] then the query's own token (view_len - 1).
         # A negative count reads the whole view: positions 0 .. view_len - 2 in order.
-        sub_len = tl.load(subset_lens_ptr + s)
+        # Counts are per sequence (stride_slh 0) or per sequence and KV head.
+        sub_len = tl.load(subset_lens_ptr + s * stride_sls + kvh * stride_slh)
         whole = sub_len < 0
         n_sel = tl.where(whole, view_len - 1, tl.minimum(sub_len, subset_cap))
         eff_len = tl.where(view_len > 0, n_sel + 1, 0)
@@ -284,7 +287,7 @@ def decode_attention(
     out: torch.Tensor,  # [S, Hq, D]
     *,
     subset: torch.Tensor | None = None,  # [S, Hkv, B] int32 ascending view positions
-    subset_lens: torch.Tensor | None = None,  # [S] int32 valid entries of subset
+    subset_lens: torch.Tensor | None = None,  # [S] or [S, Hkv] int32 valid entries
     scores_out: torch.Tensor | None = None,  # [S, Hq, max_len] float32
     window: int | None = None,
     num_splits: int | None = None,
@@ -300,6 +303,7 @@ def decode_attention(
     With `subset`, sequence s reads view[subset[s, h, :subset_lens[s]]] for KV head h plus
     always its own token (view position view_lens[s] - 1), as torch_ref.gather_selected;
     a negative subset_lens[s] reads s's whole view (no subset for that sequence).
+    `subset_lens` `[S, Hkv]` gives each KV head its own count (subset_lens[s, h]).
     With `scores_out`, row [s, h, :view_lens[s]] receives head h's softmax probabilities
     over view positions (under a subset: nonzero only at the positions read; a position
     listed twice shows one occurrence's share) and the rest of the row is zeroed.
@@ -327,6 +331,9 @@ def decode_attention(
         if subset.shape[:2] != (num_seqs, num_kv_heads) or subset.stride(2) != 1:
             raise ValueError(f"subset must be [S, Hkv, B] with contiguous B, got {subset.shape}")
         eff_max = subset.shape[2] + 1
+        assert subset_lens is not None
+        if subset_lens.shape not in ((num_seqs,), (num_seqs, num_kv_heads)):
+            raise ValueError(f"subset_lens must be [S] or [S, Hkv], got {subset_lens.shape}")
     else:
         eff_max = max_len
     if num_splits is None:
@@ -388,6 +395,7 @@ def decode_attention(
         table.stride(0),
         subset.stride(0) if subset is not None else 0,
         subset.stride(1) if subset is not None else 0,
+        *_lens_strides(subset_lens),
         out.stride(0),
         out.stride(1),
         scores_out.stride(0) if scores_out is not None else 0,
@@ -437,3 +445,13 @@ def decode_attention(
             num_warps=4,
         )
     return out
+
+
+def _lens_strides(subset_lens: torch.Tensor | None) -> tuple[int, int]:
+    """(per sequence, per KV head) strides of the subset counts: `[S]` counts serve
+    every head of their sequence."""
+    if subset_lens is None:
+        return 0, 0
+    if subset_lens.dim() == 1:
+        return subset_lens.stride(0), 0
+    return subset_lens.stride(0), subset_lens.stride(1)
