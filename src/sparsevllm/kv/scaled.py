@@ -24,7 +24,10 @@ def quantize(x: torch.Tensor, element: torch.dtype) -> tuple[torch.Tensor, torch
     """
     xf = x.float()
     qmax = QMAX[element]
-    scale = xf.abs().amax(dim=-1) / qmax  # [...]
+    amax = xf.abs().amax(dim=-1)  # [...]
+    # A tensor divisor: CUDA torch turns division by a Python number into a multiplication
+    # by its reciprocal, which is not IEEE division (the kernels' and the CPU's).
+    scale = amax / torch.full_like(amax, qmax)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = xf / scale.unsqueeze(-1)
     if element == torch.int8:

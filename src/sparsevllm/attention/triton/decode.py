@@ -293,7 +293,7 @@ def decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
     heads_fastest: bool = True,
     k_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
     v_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
@@ -340,7 +340,10 @@ def decode_attention(
         num_splits = auto_num_splits(num_seqs, num_kv_heads, eff_max, q.device)
     num_splits = max(1, int(num_splits))
     block_d = next_pow2(max(head_dim, 16))
-    block_n = block_n or (64 if block_d <= 128 else 32)
+    # Tiles from docs/benchmarks/h200/decode_tile_sweep.json (Triton 3.6, 5 shapes from
+    # 1 x 32K to 128 x 2K): 3 stages beat 2 on every shape (1.14x-1.8x); 1-byte elements
+    # take 128-key tiles (the same bytes per tile as 64 bf16 keys; 1.13x-2.0x).
+    block_n = block_n or (32 if block_d > 128 else 128 if quantized else 64)
     write_scores = scores_out is not None
     lse: torch.Tensor | None = None
     if scores_out is not None:
