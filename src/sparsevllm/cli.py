@@ -115,6 +115,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         f"(default: {defaults.DEFAULT_MAX_STORED_RESPONSES}).",
     )
     srv.add_argument(
+        "--reasoning-parser",
+        choices=defaults.REASONING_PARSERS,
+        default=None,
+        help="Split the <think>...</think> text of replies into `reasoning_content` (chat "
+        "completions) and reasoning items (responses): qwen3 (a reply may open a <think> "
+        "block; Qwen3, QwQ) or deepseek_r1 (replies begin inside the block; DeepSeek-R1) "
+        "(default: none, replies are all content).",
+    )
+    srv.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=defaults.DEFAULT_SHUTDOWN_GRACE_S,
@@ -158,6 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace_s,
         log_level=args.server_log_level,
         max_stored_responses=args.max_stored_responses,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

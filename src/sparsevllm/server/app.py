@@ -31,6 +31,7 @@ from sparsevllm.server.errors import APIError, bad_request, from_validation_erro
 from sparsevllm.server.metrics import CONTENT_TYPE
 from sparsevllm.server.openapi import install_openapi
 from sparsevllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from sparsevllm.server.reasoning import get_reasoning_parser
 from sparsevllm.server.response_store import ResponseStore
 from sparsevllm.server.responses import create_response, delete_response, get_response
 from sparsevllm.server.responses_protocol import ResponsesRequest
@@ -116,15 +117,18 @@ def build_app(
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `async_engine` (its worker starts with the app).
 
     `api_key` (if set) is required as `Authorization: Bearer KEY` on /v1 routes;
     `max_queue_len` bounds the requests waiting for the engine (beyond it: 429);
     `max_stored_responses` is how many /v1/responses results are kept for GET and
-    `previous_response_id` (oldest dropped first).
+    `previous_response_id` (oldest dropped first); `reasoning_parser` (server/reasoning.py)
+    splits replies' `<think>` text into `reasoning_content` and reasoning items.
     """
-    ctx = ServingContext(async_engine, served_model_name, max_queue_len)
+    reasoning = get_reasoning_parser(reasoning_parser)
+    ctx = ServingContext(async_engine, served_model_name, max_queue_len, reasoning)
     responses = ResponseStore(max_stored_responses)
 
     @asynccontextmanager

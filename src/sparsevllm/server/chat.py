@@ -14,6 +14,7 @@ from sparsevllm.outputs import RequestOutput
 from sparsevllm.server.errors import bad_request
 from sparsevllm.server.formatting import Choice, PromptInput, chat_logprobs, usage
 from sparsevllm.server.protocol import ChatCompletionRequest, check_context_length
+from sparsevllm.server.reasoning import ReasoningStream
 from sparsevllm.server.serving import (
     ChainFields,
     ServingContext,
@@ -108,6 +109,7 @@ class _Formatter:
             **chain.top,
         }
         self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
+        self.reasoning: dict[str, ReasoningStream] = {}  # by request id, when parsing
 
     def _logprobs(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         ids, entries = choice.new_tokens(out)
@@ -122,7 +124,7 @@ class _Formatter:
             items.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.final.text},
+                    "message": self._message(c.final.text),
                     "logprobs": self._logprobs(c, c.final),
                     "finish_reason": finish_reason(c.final),
                     "stop_reason": c.final.stop_reason,
@@ -130,6 +132,23 @@ class _Formatter:
                 }
             )
         return {**self.base, "choices": items, "usage": usage([self.prompt], choices)}
+
+    def _message(self, text: str) -> dict[str, Any]:
+        if self.ctx.reasoning is None:
+            return {"role": "assistant", "content": text}
+        split = self.ctx.reasoning.split(text, finished=True)
+        return {"role": "assistant", "content": split.content, "reasoning_content": split.reasoning}
+
+    def _delta(self, choice: Choice, out: RequestOutput) -> dict[str, Any]:
+        """The new text of a stream chunk: `content`, and `reasoning_content` when parsing."""
+        text = choice.text_delta(out)
+        if self.ctx.reasoning is None:
+            return {"content": text} if text else {}
+        stream = self.reasoning.setdefault(choice.request_id, ReasoningStream(self.ctx.reasoning))
+        # Text up to what text_delta released (a partial stop string stays held back).
+        reasoning, content = stream.deltas(out.text[: choice.sent_chars], out.finished)
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        return {**delta, "content": content} if content else delta
 
     def _chunk(self, choice: Choice, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
         item = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -140,14 +159,14 @@ class _Formatter:
         return [self._chunk(c, {"role": "assistant", "content": ""}) for c in choices]
 
     def chunks(self, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
-        text = choice.text_delta(out)
+        delta = self._delta(choice, out)
         logprobs = self._logprobs(choice, out)
-        if not text and not out.finished and not (logprobs and logprobs["content"]):
+        if not delta and not out.finished and not (logprobs and logprobs["content"]):
             return []
         return [
             self._chunk(
                 choice,
-                {"content": text} if text else {},
+                delta,
                 logprobs=logprobs,
                 finish_reason=finish_reason(out),
                 stop_reason=out.stop_reason if out.finished else None,

@@ -13,3 +13,5 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # Seconds running requests may take to finish after SIGINT/SIGTERM before being aborted.
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# Reasoning parsers of `serve --reasoning-parser` (server/reasoning.py defines them).
+REASONING_PARSERS = ("qwen3", "deepseek_r1")

@@ -104,6 +104,7 @@ def make_server(
     log_level: str = "info",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    reasoning_parser: str | None = None,
 ) -> SparseServer:
     """A server ready to `run()` (or to run in a thread: then no signal handling)."""
     name = served_model_name or default_served_model_name(async_engine.config)
@@ -114,6 +115,7 @@ def make_server(
         max_queue_len=max_queue_len,
         max_body_bytes=max_body_bytes,
         max_stored_responses=max_stored_responses,
+        reasoning_parser=reasoning_parser,
     )
     config = uvicorn.Config(
         app,
@@ -136,6 +138,7 @@ def run_server(
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     log_level: str = "info",
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    reasoning_parser: str | None = None,
 ) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, shut down gracefully; returns 0."""
     from sparsevllm.engine.engine import LLMEngine
@@ -160,6 +163,7 @@ def run_server(
         shutdown_grace_s,
         log_level,
         max_stored_responses=max_stored_responses,
+        reasoning_parser=reasoning_parser,
     )
     server.run()
     logger.info("server stopped")

@@ -10,12 +10,9 @@ them as `input_tokens_details.cached_tokens`. Each conversation runs under one c
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +23,8 @@ from sparsevllm.outputs import RequestOutput
 from sparsevllm.server.errors import APIError, bad_request
 from sparsevllm.server.formatting import Choice, PromptInput
 from sparsevllm.server.protocol import check_context_length
+from sparsevllm.server.response_events import response_events
+from sparsevllm.server.response_items import ItemIds, output_items, reasoning_tokens
 from sparsevllm.server.response_store import ResponseStore, StoredResponse
 from sparsevllm.server.responses_protocol import ResponsesRequest
 from sparsevllm.server.serving import EventStreamResponse, ServingContext, fan_out
@@ -69,7 +68,7 @@ async def create_response(
         stream = await ctx.submit(requests, "input", admission)
     turn = _Turn(ctx, store, req, response_id, prompt, chain_id, choices[0])
     if req.stream:
-        return EventStreamResponse(turn.events(stream), stream)
+        return EventStreamResponse(response_events(turn, stream, ctx.reasoning), stream)
     finals = await ctx.collect(stream, raw)
     if finals is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
@@ -122,7 +121,8 @@ def _continued_ids(tok: Any, prev: StoredResponse, text: str) -> list[int] | Non
 
 
 class _Turn:
-    """One response: its body (in progress, or final), its stream events, and storing it."""
+    """One response: its body (in progress, or final) and storing it (the stream's
+    events are response_events.py's)."""
 
     def __init__(
         self,
@@ -139,24 +139,14 @@ class _Turn:
         self.prompt = prompt
         self.chain_id = chain_id
         self.choice = choice
-        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.ids = ItemIds()
         self.created_at = int(time.time())
 
     # -- bodies -------------------------------------------------------------------------
-    def message(self, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": []}]
-        return {
-            "type": "message",
-            "id": self.item_id,
-            "status": status,
-            "role": "assistant",
-            "content": content if status != "in_progress" else [],
-        }
-
     def body(self, final: RequestOutput | None) -> dict[str, Any]:
         req = self.req
         status, incomplete = _status(final)
-        output = [] if final is None else [self.message(final.text, "completed")]
+        output = [] if final is None else output_items(self.ids, final.text, self.ctx.reasoning)
         return {
             "id": self.id,
             "object": "response",
@@ -188,11 +178,14 @@ class _Turn:
 
     def usage(self, final: RequestOutput) -> dict[str, Any]:
         n_in, n_out = len(self.prompt.ids), len(final.token_ids)
+        parser = self.ctx.reasoning
+        thinks = parser is not None and parser.split(final.text, True).reasoning is not None
+        reasoning = reasoning_tokens(self.ctx.tokenizer, list(final.token_ids), thinks)
         return {
             "input_tokens": n_in,
             "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
             "output_tokens": n_out,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": n_in + n_out,
         }
 
@@ -202,7 +195,10 @@ class _Turn:
         assert final is not None
         body = self.body(final)
         if self.req.store:
-            reply = {"role": "assistant", "content": final.text}
+            # The history keeps the answer; chat templates drop earlier turns' reasoning.
+            parser = self.ctx.reasoning
+            answer = final.text if parser is None else parser.split(final.text, True).content
+            reply = {"role": "assistant", "content": answer}
             self.store.put(
                 self.id,
                 StoredResponse(
@@ -216,50 +212,6 @@ class _Turn:
                 ),
             )
         return body
-
-    # -- streaming ----------------------------------------------------------------------
-    async def events(self, stream: Any) -> AsyncIterator[str]:
-        """The Responses API's SSE events, in order, each with its sequence number."""
-        numbers = itertools.count()
-
-        def event(kind: str, **data: Any) -> str:
-            payload = {"type": kind, "sequence_number": next(numbers), **data}
-            return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
-
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        try:
-            yield event("response.created", response=self.body(None))
-            yield event("response.in_progress", response=self.body(None))
-            item = self.message("", "in_progress")
-            yield event("response.output_item.added", output_index=0, item=item)
-            part = {"type": "output_text", "text": "", "annotations": []}
-            yield event("response.content_part.added", **where, part=part)
-            while not stream.done:
-                out = await stream.next()
-                if out.request_id != self.choice.request_id:
-                    continue
-                if out.finish_reason == "error":
-                    yield event(
-                        "error",
-                        code="server_error",
-                        message=out.error or "the engine failed",
-                        param=None,
-                    )
-                    return
-                if out.finished:
-                    self.choice.final = out
-                delta = self.choice.text_delta(out)
-                if delta:
-                    yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
-            body = self.finish()
-            text = body["output"][0]["content"][0]["text"]
-            yield event("response.output_text.done", **where, text=text, logprobs=[])
-            yield event("response.content_part.done", **where, part={**part, "text": text})
-            yield event("response.output_item.done", output_index=0, item=body["output"][0])
-            done = "response.completed" if body["status"] == "completed" else "response.incomplete"
-            yield event(done, response=body)
-        finally:
-            stream.abort()  # no-op once the request finished
 
 
 def _status(final: RequestOutput | None) -> tuple[str, dict[str, str] | None]:

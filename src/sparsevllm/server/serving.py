@@ -31,6 +31,7 @@ from sparsevllm.server.async_engine import (
 from sparsevllm.server.errors import APIError, bad_request
 from sparsevllm.server.formatting import SSE_DONE, Choice, PromptInput, TokenStrings, sse
 from sparsevllm.server.protocol import CHAIN_ID_HEADER, check_chain_id
+from sparsevllm.server.reasoning import ReasoningParser
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,17 @@ class ServingContext:
     tokenizer is never entered by two encodes at once.
     """
 
-    def __init__(self, engine: AsyncEngine, model_name: str, max_queue_len: int) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        max_queue_len: int,
+        reasoning: ReasoningParser | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_queue_len = max_queue_len
+        self.reasoning = reasoning  # splits replies' <think> text from their content
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.token_strings = TokenStrings(engine.tokenizer)
