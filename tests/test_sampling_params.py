@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # Make `src/` importable when the package is not installed (plain `python -m pytest`).
 import pytest
 
 from sparsevllm.sampling import SamplingParams
+from sparsevllm.structured_outputs import StructuredOutputsParams
 
 
 def test_defaults() -> None:
@@ -130,3 +132,35 @@ def test_from_dict_unknown_key_without_close_match() -> None:
 def test_from_dict_still_validates_values() -> None:
     with pytest.raises(ValueError, match="^top_p "):
         SamplingParams.from_dict({"top_p": 0})
+
+
+def test_structured_outputs_from_a_dict_or_json_text() -> None:
+    schema = {"type": "object", "properties": {"b": {}, "a": {}}}
+    p = SamplingParams.from_dict({"structured_outputs": {"json": json.dumps(schema)}})
+    assert isinstance(p.structured_outputs, StructuredOutputsParams)
+    assert p.structured_outputs.kind == "json" and p.structured_outputs.json == schema
+    assert list(schema["properties"]) == ["b", "a"]  # key order is the output's order
+    choice = SamplingParams(structured_outputs=StructuredOutputsParams(choice=("x", "y")))
+    assert choice.structured_outputs is not None and choice.structured_outputs.choice == ["x", "y"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({}, "exactly one of json, json_object, regex, choice, grammar \\(got none\\)"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one of .* \\(got regex, choice\\)"),
+        ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+        ({"json": [1]}, "structured_outputs.json must be a JSON schema object"),
+        ({"choice": []}, "structured_outputs.choice must list 1 to"),
+        ({"choice": "ab"}, "structured_outputs.choice must be a list of strings"),
+        ({"choice": ["a", 1]}, "only non-empty strings"),
+        ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+        ({"json_object": 1}, "structured_outputs.json_object must be a bool"),
+        ({"jsn": {}}, "unknown structured_outputs field 'jsn'; did you mean 'json'"),
+    ],
+)
+def test_malformed_structured_outputs_rejected(spec: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(structured_outputs=spec)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs="json")  # type: ignore[arg-type]

@@ -5,7 +5,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputs",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"
 
 # Imported on first use, so `import sparsevllm.engine.scheduler` (pure Python) and
@@ -15,6 +22,8 @@ _LAZY = {
     "EngineConfig": "sparsevllm.config",
     "RequestOutput": "sparsevllm.outputs",
     "SamplingParams": "sparsevllm.sampling",
+    "StructuredOutputsParams": "sparsevllm.structured_outputs",
+    "StructuredOutputs": "sparsevllm.structured_outputs",
 }
 
 

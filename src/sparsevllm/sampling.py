@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sparsevllm.structured_outputs import StructuredOutputsParams
+
 # OpenAI's documented range for presence/frequency penalties.
 _PENALTY_RANGE = 2.0
 # Upper bound on requested top-N logprobs; keeps the per-step top-k cheap.
@@ -33,7 +35,9 @@ class SamplingParams:
     penalty over prompt and output tokens, while ``presence_penalty`` and
     ``frequency_penalty`` are OpenAI-style additive penalties over output tokens only.
     ``logprobs`` requests the top-N alternatives per generated token (0 returns only
-    the chosen token's logprob). ``stop`` is normalised to a list of strings and
+    the chosen token's logprob). ``structured_outputs`` constrains the output to a
+    JSON schema, a regex, a choice or a grammar (a ``StructuredOutputsParams``, or a
+    dict of its fields). ``stop`` is normalised to a list of strings and
     ``stop_token_ids`` to a list of ints by ``__post_init__``.
     """
 
@@ -55,12 +59,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._validate_ints()
         self._validate_floats()
         self._validate_bools()
         self._normalise_stops()
+        self._normalise_structured()
 
     # ------------------------------------------------------------------ validation
     def _validate_ints(self) -> None:
@@ -121,6 +127,20 @@ class SamplingParams:
         elif not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
         self.stop_token_ids = [_require_int("stop_token_ids", t, low=0) for t in ids]
+
+    def _normalise_structured(self) -> None:
+        spec = self.structured_outputs
+        if spec is None or isinstance(spec, StructuredOutputsParams):
+            return
+        if not isinstance(spec, Mapping):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams or a dict, got {spec!r}"
+            )
+        from sparsevllm.config import check_keys
+
+        fields = [f.name for f in dataclasses.fields(StructuredOutputsParams)]
+        check_keys(spec, fields, what="structured_outputs field")
+        self.structured_outputs = StructuredOutputsParams(**dict(spec))
 
     # ------------------------------------------------------------------ helpers
     @property

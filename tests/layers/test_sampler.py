@@ -12,6 +12,7 @@ import torch
 from sparsevllm.layers.sampler import (
     Sampler,
     SamplerOutput,
+    TokenBitmask,
     TokenLogprobs,
     apply_penalties,
     make_generator,
@@ -19,6 +20,8 @@ from sparsevllm.layers.sampler import (
 from sparsevllm.sampling import SamplingParams
 
 sampler = Sampler()
+# The token mask runs where the logits are: on CUDA too when the machine has it.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def run(
@@ -332,3 +335,42 @@ def test_min_tokens_suppresses_eos_when_sampling() -> None:
 def test_batch_size_mismatch_rejected() -> None:
     with pytest.raises(ValueError, match="batch mismatch"):
         sampler(torch.zeros(2, 4), [SamplingParams()], [([], [])], [None])
+
+
+# ---------------------------------------------------------------------- token bitmask
+def _bitmask(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """The packed int32 bitmask (bit t % 32 of word t // 32) of each row's allowed set."""
+    words = [[0] * ((vocab + 31) // 32) for _ in allowed]
+    for row, tokens in zip(words, allowed):
+        for t in tokens:
+            row[t // 32] |= 1 << (t % 32)
+    # Bit 31 makes a word negative as an int32.
+    return torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in r] for r in words])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_bitmask_restricts_only_its_rows(device: str) -> None:
+    vocab = 100  # not a multiple of 32: the last word is partly past the vocabulary
+    allowed = [{3, 31, 63, 99}, {0, 64}]
+    bits = _bitmask(allowed, vocab).to(torch.int32).to(device)
+    mask = TokenBitmask(torch.tensor([0, 2], device=device), bits)
+    torch.manual_seed(0)
+    rows = 3
+    params = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.0)]
+    seen: list[set[int]] = [set() for _ in range(rows)]
+    for _ in range(200):
+        logits = torch.randn(rows, vocab, device=device) * 5
+        out = sampler(logits, params, [([], [])] * rows, [None] * rows, token_bitmask=mask)
+        for row, token in enumerate(out.token_ids):
+            seen[row].add(token)
+    assert seen[0] == allowed[0]  # every allowed token drawn, nothing else
+    assert seen[2] <= allowed[1] and len(seen[2]) == 2  # greedy: the best allowed one
+    assert len(seen[1]) > 50  # an unmasked row samples the whole vocabulary
+
+
+def test_token_bitmask_forbids_logits_past_its_width() -> None:
+    logits = torch.zeros(1, 40)
+    logits[0, 35] = 10.0  # the best token, but past a one-word (32-token) mask
+    mask = TokenBitmask(torch.tensor([0]), _bitmask([{5}], 32).to(torch.int32))
+    out = sampler(logits, [SamplingParams(temperature=0.0)], [([], [])], [None], token_bitmask=mask)
+    assert out.token_ids == [5]

@@ -81,6 +81,13 @@ def hang_up_mid_stream(server: RunningServer, body: dict[str, Any], events: int)
                         return
 
 
+def python_example(doc: str, heading: str) -> str:
+    """The first ```python block after `heading` in a Markdown file."""
+    section = doc[doc.index(heading) :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```", start)]
+
+
 def start_server(config: EngineConfig, **kwargs: Any) -> RunningServer:
     """Load the engine, bind a free port and serve in a thread (no signal handlers there).
     `engine_setup(llm_engine)`, if given, runs before the worker starts."""

@@ -10,7 +10,7 @@ import pytest
 from sparsevllm.config import EngineConfig
 from sparsevllm.models.default_model import default_model_path
 
-from .conftest import RunningServer, start_server
+from .conftest import RunningServer, python_example, start_server
 
 NAME = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 5  # slow-ish on CPU: a few tokens prove the path
@@ -58,17 +58,10 @@ def test_default_model_completions(default_server: RunningServer):
     assert "".join(c.choices[0].text for c in stream) == result.choices[0].text
 
 
-def _python_example(doc: str, heading: str) -> str:
-    """The first ```python block after `heading` in a Markdown file."""
-    section = doc[doc.index(heading) :]
-    start = section.index("```python\n") + len("```python\n")
-    return section[start : section.index("```", start)]
-
-
 def test_server_doc_completions_example_runs(default_server: RunningServer):
     """Problem 2: docs/server.md's Python completions example got a 400."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
-    code = _python_example(doc, "### `POST /v1/completions`")
+    code = python_example(doc, "### `POST /v1/completions`")
     assert "client.completions.create" in code
     printed: list[tuple] = []
     scope = {"client": default_server.client(), "print": lambda *a, **k: printed.append(a)}

@@ -21,6 +21,7 @@ from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.step_loop import StepLoop
 from sparsevllm.engine.step_plan import plan_step
 from sparsevllm.engine.store_setup import build_store
+from sparsevllm.engine.structured import GrammarCompiler
 from sparsevllm.models.loader import load_model_source
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling import SamplingParams
@@ -64,6 +65,10 @@ class LLMEngine:
             store=self.store,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        # Structured outputs: compiled constraints, shared by the requests that repeat one.
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.source.hf_config.vocab_size, sorted(self.eos_token_ids)
+        )
         # Called with each request's newly sampled token while it is post-processed
         # (tracing; tests inject faults here). An exception fails that request alone.
         self.token_observers = self.outputs.token_observers
@@ -139,6 +144,8 @@ class LLMEngine:
                 f"request needs up to {need} KV slots per layer but the pool holds only "
                 f"{self.pool.num_slots}; raise num_kv_slots / kv_cache_memory_gb or lower max_tokens"
             )
+        if params.structured_outputs is not None:  # compiled now (and cached) or refused
+            self.grammars.check(params.structured_outputs)
 
     def add_request(
         self,
@@ -160,6 +167,8 @@ class LLMEngine:
         request_id = request_id or f"req-{seq_id}-{next(self._seq_ids)}"
         seq = Sequence(seq_id, request_id, ids, params, frozenset(self.eos_token_ids), text)
         seq.chain_id, seq.chain_status = claim.chain_id, claim.status
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.new_state(params.structured_outputs)
         if claim.cached_tokens:
             seq.num_computed_tokens = seq.num_cached_tokens = claim.cached_tokens
             self.scheduler.stats.num_cached_prompt_tokens += claim.cached_tokens

@@ -49,6 +49,8 @@ class OutputProcessor:
         seq.output_token_ids.append(token)
         for observe in self.token_observers:
             observe(seq, token)
+        if seq.grammar is not None:  # raises on a token the grammar forbids: fails seq
+            seq.grammar.accept(token)
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(logprobs)
         self.num_generated_tokens += 1
@@ -65,6 +67,8 @@ class OutputProcessor:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         n_out = len(seq.output_token_ids)
+        if seq.grammar is not None and seq.grammar.is_finished:
+            return "stop"  # the constraint is complete (or took EOS): nothing may follow
         if n_out >= p.min_tokens:
             if token in (p.stop_token_ids or ()):
                 seq.stop_reason = token

@@ -15,6 +15,7 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.capacity import CapacityPlan
 from sparsevllm.engine.cuda_graph import DecodeGraphs
 from sparsevllm.engine.devices import resolve_device, resolve_dtype
+from sparsevllm.engine.grammar_mask import grammar_bitmask
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool, WindowGroup
 from sparsevllm.engine.slot_rows import SlotRows
@@ -231,6 +232,13 @@ class ModelRunner:
         """`execute` without waiting for the sampled tokens. `input_ids` `[S]` (a device
         tensor, e.g. the previous step's SampledTokens.device_ids) replaces the input ids
         of a step whose tokens are not on the host yet (`plan.ids_on_device`)."""
+        logits = self.forward(plan, input_ids)
+        return None if logits is None else self.sample(plan, logits, eos_token_ids)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The model over the planned tokens: the sampling rows' logits `[S, vocab]`
+        (None when no row samples), for `sample` now or later."""
         batch, t_ids, steps = self._prepare(plan)
         input_ids = t_ids if input_ids is None else input_ids
         graphs = self.graphs if self._use_graph(batch) else None
@@ -242,14 +250,21 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
         self.method.after_step(steps, batch.sparse.row_scores(), batch.sparse.kv)
         self._trim_windows(steps)
-        if not plan.sample_rows:
-            return None
+        return logits if plan.sample_rows else None
+
+    @torch.inference_mode()
+    def sample(
+        self, plan: StepPlan, logits: torch.Tensor, eos_token_ids: set[int]
+    ) -> SampledTokens:
+        """Sample the plan's rows from `forward`'s logits, masked by the rows' grammars as
+        they stand when this is called (structured outputs)."""
         return self.sampler.launch(
             logits,
             plan.sampling,
             plan.histories,
             [self.generators.get(plan.seq_ids[i]) for i in plan.sample_rows],
             eos_token_ids=eos_token_ids,
+            token_bitmask=grammar_bitmask(plan.grammars, self.device),
         )
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from sparsevllm.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from sparsevllm.engine.structured import GrammarState
     from sparsevllm.layers.sampler import TokenLogprobs
 
 
@@ -59,6 +60,7 @@ class Sequence:
     chain_id: str | None = None  # chain cache: the conversation this request extends
     chain_status: str | None = None
     parked: bool = False  # finished, its state kept as an idle chain
+    grammar: GrammarState | None = None  # structured outputs: advanced with each token
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property

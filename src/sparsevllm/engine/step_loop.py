@@ -22,12 +22,19 @@ when the prefix store parks their window: the chain cache).
 A sequence that finishes at step N (a stop token, an abort) has its step-N+1 slot freed
 before it is cached or released, and its step-N+1 token is dropped. Otherwise step N+1
 is computed exactly as without overlap: the outputs are the same tokens.
+
+Structured outputs: step N+1's token mask depends on step N's token, which the host
+has not seen when it launches step N+1. So a step ahead with a constrained row runs
+only its forward at launch; it samples at the start of the next `step()` call, once
+step N's tokens have advanced the grammars (the forward still overlaps step N's
+accounting; the mask's host work and the sampling do not).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sparsevllm.engine.kv_pool import KVPool
@@ -45,12 +52,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _InFlight:
-    """A launched step: its schedule and its sampled tokens (None: nothing samples)."""
+    """A launched step: its schedule and its sampled tokens (None: nothing samples), or
+    the sampling still to launch (`pending`: a step ahead with structured outputs)."""
 
     sched: SchedulerOutput
     sampled: SampledTokens | None
+    pending: Callable[[], SampledTokens] | None = None
+
+    def sample(self) -> None:
+        """Launch the pending sampling (the grammars have the step before's tokens)."""
+        if self.pending is not None:
+            self.sampled, self.pending = self.pending(), None
 
     def result(self) -> SamplerOutput | None:
+        self.sample()
         return None if self.sampled is None else self.sampled.result()
 
 
@@ -94,6 +109,7 @@ class StepLoop:
             current = self._launch(sched)
         else:
             touched = self._begin(SchedulerOutput())  # aborts since the last step
+            current.sample()
         if self.overlap:
             self._schedule_next(current)
         touched += self._complete(current.sched, current.result())
@@ -140,6 +156,12 @@ class StepLoop:
     def _launch(self, sched: SchedulerOutput, ahead_of: _InFlight | None = None) -> _InFlight:
         plan = plan_step(sched, self.pool, self.rows)
         ids = None if ahead_of is None or ahead_of.sampled is None else ahead_of.sampled.device_ids
+        if ahead_of is not None and any(g is not None for g in plan.grammars):
+            logits = self.runner.forward(plan, input_ids=ids)  # sampled later (docstring)
+            if logits is None:
+                return _InFlight(sched, None)
+            eos = self.eos_token_ids
+            return _InFlight(sched, None, lambda: self.runner.sample(plan, logits, eos))
         return _InFlight(sched, self.runner.launch(plan, self.eos_token_ids, input_ids=ids))
 
     def _complete(self, sched: SchedulerOutput, result: SamplerOutput | None) -> list[Sequence]:

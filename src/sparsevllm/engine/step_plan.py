@@ -16,11 +16,15 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.scheduler import SchedulerOutput
 from sparsevllm.engine.slot_rows import SlotRows, TableWrites
 from sparsevllm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from sparsevllm.engine.structured import GrammarState
 
 _LAST = operator.itemgetter(-1)  # a view's newest slot
 
@@ -45,6 +49,9 @@ class StepPlan:
     sample_rows: list[int]  # plan indices
     sampling: list[SamplingParams]
     histories: list[TokenHistory]
+    # Each sampling row's structured-output grammar (None: unconstrained); the runner
+    # reads their state when it samples, not when it plans.
+    grammars: list[GrammarState | None]
     # New slots per group: seq-major [S][G] when every sequence adds one token, else
     # group-major [G][T]; `flat_lens` the view lengths after the step in the same order.
     slots: list[int]
@@ -91,6 +98,7 @@ def plan_step(sched: SchedulerOutput, pool: KVPool, rows: SlotRows) -> StepPlan:
         sample_rows=sample_rows,
         sampling=[seq.params for seq in seqs],
         histories=[(seq.prompt_token_ids, seq.output_token_ids) for seq in seqs],
+        grammars=[seq.grammar for seq in seqs],
         slots=slots,
         flat_lens=flat_lens,
         seq_major=seq_major,

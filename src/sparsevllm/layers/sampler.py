@@ -1,7 +1,8 @@
 """Batched token sampler, run once per engine step on the last-position logits.
 
-Pipeline per row: penalties -> min_tokens stop suppression -> (greedy: argmax) ->
-temperature -> top-k -> top-p -> min-p -> exponential-race sampling.
+Pipeline per row: penalties -> min_tokens stop suppression -> structured-output token
+mask -> (greedy: argmax) -> temperature -> top-k -> top-p -> min-p -> exponential-race
+sampling.
 
 Reproducibility: a row with its own ``torch.Generator`` draws exactly ``V``
 exponential variates from that generator per step, in vocab order, independent
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,6 +41,14 @@ class TokenLogprobs:
     logprob: float
     # Top-N (token_id, logprob) pairs, best first; empty when N == 0.
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+class TokenBitmask(NamedTuple):
+    """The tokens some rows may sample (structured outputs): bit `t % 32` of word `t // 32`
+    of `bits[j]` allows token t in batch row `rows[j]`; other rows are unconstrained."""
+
+    rows: torch.Tensor  # [R] long
+    bits: torch.Tensor  # [R, ceil(vocab / 32)] int32
 
 
 @dataclass
@@ -106,6 +115,7 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         *,
         eos_token_ids: Collection[int] = frozenset(),
+        token_bitmask: TokenBitmask | None = None,
     ) -> SampledTokens:
         """Sample on the device without waiting for the result (see SampledTokens)."""
         batch = logits.shape[0]
@@ -121,6 +131,8 @@ class Sampler:
         logits = logits.to(dtype=torch.float32, copy=True)
         apply_penalties(logits, params, token_histories)
         suppress_stop_tokens(logits, params, token_histories, eos_token_ids)
+        if token_bitmask is not None:
+            apply_token_bitmask(logits, token_bitmask)
 
         # One argmax for every row is cheaper than splitting; sampled rows overwrite theirs.
         token_ids = logits.argmax(dim=-1)
@@ -222,6 +234,21 @@ def suppress_stop_tokens(
     if rows:
         device = logits.device
         logits[upload(rows, torch.long, device), upload(cols, torch.long, device)] = float("-inf")
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+    """Set (in place) the logits of the tokens `mask` forbids to ``-inf``; tokens past
+    the mask's width are forbidden too (a logits row wider than the tokenizer)."""
+    vocab = logits.shape[1]
+    # Bytes of little-endian words: token t is bit t % 8 of byte t // 8. Unpacking bytes
+    # keeps the intermediate at one byte per token (a shift per 32-bit word takes four).
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    unpacked = (mask.bits.view(torch.uint8).unsqueeze(-1) >> shifts).bitwise_and_(1)
+    allowed = unpacked.view(torch.bool).flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        pad = allowed.new_zeros((allowed.shape[0], vocab - allowed.shape[1]))
+        allowed = torch.cat([allowed, pad], dim=1)
+    logits[mask.rows] = torch.where(allowed, logits[mask.rows], float("-inf"))
 
 
 # ---------------------------------------------------------------------- sampling

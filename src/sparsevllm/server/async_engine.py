@@ -283,7 +283,7 @@ class AsyncEngine:
             elif isinstance(e, ChainBusyError):
                 error = ChainBusy(str(e))
             elif isinstance(e, ValueError):
-                error = InvalidRequest(str(e))
+                error = InvalidRequest(str(e), getattr(e, "param", None))
             else:
                 logger.exception("add_request failed")
                 error = EngineFailure(f"the engine failed to add the request: {e}")

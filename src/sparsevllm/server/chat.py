@@ -45,7 +45,7 @@ async def create_chat_completion(
         params = req.sampling_params(max_tokens, req.logprobs_n())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices, engine_requests = fan_out(request_id, [prompt], params, n, chain_id)
-        stream = await ctx.submit(engine_requests, "messages", admission)
+        stream = await ctx.submit(engine_requests, "messages", admission, req.structured().param)
     fmt = _Formatter(ctx, req, request_id, prompt, ChainFields.of(stream))
     head = fmt.head(choices) if req.stream else []
     return await respond(ctx, raw, stream, choices, fmt, head, req.stream)

@@ -40,7 +40,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         params = req.sampling_params(max_tokens, req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         choices, engine_requests = fan_out(request_id, prompts, params, n, chain_id)
-        stream = await ctx.submit(engine_requests, "prompt", admission)
+        stream = await ctx.submit(engine_requests, "prompt", admission, req.structured().param)
     if req.echo:  # the ids passed the engine's validation: safe to decode now
         for p in prompts:
             if p.text is None:

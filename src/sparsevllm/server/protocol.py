@@ -16,6 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from sparsevllm.sampling import MAX_LOGPROBS, SamplingParams
 from sparsevllm.server.errors import bad_request, from_value_error
+from sparsevllm.server.structured import (
+    GUIDED_FIELDS,
+    ResponseFormat,
+    StructuredOutputsBody,
+    StructuredRequest,
+    resolve_structured,
+)
 
 # OpenAI's documented maximum for n.
 MAX_N = 128
@@ -79,6 +86,13 @@ class SamplingFields(StrictModel):
     max_tokens: int | None = Field(None, ge=1)
     # Chain cache: the conversation this request continues.
     chain_id: str | None = Field(None, json_schema_extra=CHAIN_ID_SCHEMA)
+    # Structured outputs (server/structured.py): one of these per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("chain_id")
     @classmethod
@@ -99,6 +113,11 @@ class SamplingFields(StrictModel):
     def num_choices(self) -> int:
         return self.n or 1
 
+    def structured(self) -> StructuredRequest:
+        """The output constraint and the field that gave it (400 when malformed)."""
+        guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        return resolve_structured(self.response_format, self.structured_outputs, guided)
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (n=1: the server fans `n` out itself)."""
         values: dict[str, Any] = {
@@ -118,6 +137,7 @@ class SamplingFields(StrictModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
+            "structured_outputs": self.structured().params,
         }
         given = {k: v for k, v in values.items() if v is not None}
         try:

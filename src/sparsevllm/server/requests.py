@@ -19,7 +19,12 @@ class RequestRejected(Exception):
 
 
 class InvalidRequest(RequestRejected):
-    """The engine's validation failed (a client error, HTTP 400)."""
+    """The engine's validation failed (a client error, HTTP 400); `param` is the field
+    the engine's error named (e.g. structured_outputs), if any."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ChainBusy(InvalidRequest):

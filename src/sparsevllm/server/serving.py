@@ -115,10 +115,15 @@ class ServingContext:
         return await self.run_in_tokenizer_thread(self.tokenizer.decode, token_ids)
 
     async def submit(
-        self, requests: list[EngineRequest], prompt_param: str, admission: Admission
+        self,
+        requests: list[EngineRequest],
+        prompt_param: str,
+        admission: Admission,
+        structured_param: str | None = None,
     ) -> RequestStream:
         """Submit to the engine (its count of waiting requests takes over from
-        `admission`); its refusals become API errors."""
+        `admission`); its refusals become API errors (one about the output constraint
+        names `structured_param`, the request field that gave it)."""
         admission.release()
         try:
             return await self.engine.submit(requests, max_waiting=self.max_queue_len)
@@ -131,6 +136,9 @@ class ServingContext:
         except InvalidRequest as e:
             message = str(e)
             param = "max_tokens" if "KV slots" in message else prompt_param
+            if e.param == "structured_outputs":  # the constraint did not compile
+                param = structured_param or e.param
+                message = f"{param}: {message}"
             raise bad_request(message, param=param) from None
         except EngineClosed as e:
             raise APIError(503, str(e), type="service_unavailable") from None
