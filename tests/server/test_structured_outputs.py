@@ -222,3 +222,29 @@ def test_the_docs_python_example_runs(server: RunningServer):
     exec(compile(code, "docs/server.md", "exec"), scope)
     assert isinstance(scope["user"], dict) and "name" in scope["user"]
     assert scope["out"].choices[0].text in ("yes", "no")
+
+
+def test_responses_text_format_json_schema(server: RunningServer):
+    """/v1/responses takes the constraint as `text.format` (name and schema at its top)."""
+    client = server.client()
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    resp = client.responses.create(
+        model=server.model,
+        input=ASK[0]["content"],
+        max_output_tokens=64,
+        text={"format": fmt},  # type: ignore[typeddict-item]
+    )
+    assert person_problem(resp.output_text) is None, resp.output_text
+    assert resp.text.format.type == "json_schema"
+    plain = client.responses.create(
+        model=server.model,
+        input="Say hi.",
+        max_output_tokens=8,
+        text={"format": {"type": "json_object"}},
+    )
+    assert plain.status == "incomplete" or isinstance(json.loads(plain.output_text), dict)
+    bad = {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=server.model, input="x", text={"format": bad})  # type: ignore[typeddict-item]
+    assert caught.value.body["param"] == "text"
+    assert "invalid JSON schema" in caught.value.body["message"]

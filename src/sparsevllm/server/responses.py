@@ -65,7 +65,7 @@ async def create_response(
         choices, requests = fan_out(
             response_id, [PromptInput(prompt.ids)], req.sampling_params(max_tokens), 1, chain_id
         )
-        stream = await ctx.submit(requests, "input", admission)
+        stream = await ctx.submit(requests, "input", admission, req.structured().param)
     turn = _Turn(ctx, store, req, response_id, prompt, chain_id, choices[0])
     if req.stream:
         return EventStreamResponse(response_events(turn, stream, ctx.reasoning), stream)
@@ -166,7 +166,7 @@ class _Turn:
             else req.parallel_tool_calls,
             "tool_choice": req.tool_choice or "auto",
             "tools": [],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _text_format(req)},
             "truncation": "disabled",
             "store": bool(req.store),
             "metadata": req.metadata or {},
@@ -212,6 +212,13 @@ class _Turn:
                 ),
             )
         return body
+
+
+def _text_format(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return {"type": "text"}
+    return fmt.model_dump(by_alias=True, exclude_none=True)
 
 
 def _status(final: RequestOutput | None) -> tuple[str, dict[str, str] | None]:

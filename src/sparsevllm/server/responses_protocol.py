@@ -13,8 +13,14 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from sparsevllm.sampling import SamplingParams
-from sparsevllm.server.errors import from_value_error
+from sparsevllm.server.errors import APIError, bad_request, from_value_error
 from sparsevllm.server.protocol import StrictModel, engine_temperature, template_message
+from sparsevllm.server.structured import (
+    JsonSchemaFormat,
+    ResponseFormat,
+    StructuredRequest,
+    resolve_structured,
+)
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_VALUE = 512
@@ -43,11 +49,34 @@ class InputMessage(StrictModel):
 
 
 class TextFormat(StrictModel):
-    type: Literal["text"]
+    """`text.format`: plain text, any JSON object, or JSON that matches `schema` (the
+    Responses API puts name and schema here, where chat's `response_format` nests them)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> TextFormat:
+        if (self.type == "json_schema") != (self.name is not None):
+            raise ValueError("text.format: name is required with type 'json_schema' only")
+        if self.type != "json_schema" and self.schema_ is not None:
+            raise ValueError("text.format: schema goes with type 'json_schema'")
+        return self
+
+    def as_response_format(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        schema = JsonSchemaFormat.model_validate(
+            {"name": self.name, "schema": self.schema_, "strict": self.strict}
+        )
+        return ResponseFormat(type="json_schema", json_schema=schema)
 
 
 class TextOptions(StrictModel):
-    """`text`: the output's format (plain text is what this endpoint serves)."""
+    """`text`: the output's format."""
 
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, no effect
@@ -96,6 +125,17 @@ class ResponsesRequest(StrictModel):
             return [{"role": "user", "content": self.input}]
         return [m.as_template_input() for m in self.input]
 
+    def structured(self) -> StructuredRequest:
+        """The output constraint of `text.format` (a 400 naming `text` when malformed)."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None:
+            return StructuredRequest()
+        try:
+            resolved = resolve_structured(fmt.as_response_format(), None, {})
+        except APIError as e:  # worded for chat's response_format
+            raise bad_request(e.message.replace("response_format", "text.format"), "text") from None
+        return StructuredRequest(resolved.params, "text" if resolved.params else None)
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         values: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -103,6 +143,7 @@ class ResponsesRequest(StrictModel):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
+            "structured_outputs": self.structured().params,
         }
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None})
