@@ -53,9 +53,14 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
+# One pytest worker per CPU (pytest-xdist; a module's tests stay on one worker, so its
+# servers and models are built once), each with one torch thread: the tiny models' steps
+# are too small to gain from a second thread, and workers would fight over the cores.
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadscope
+
 test: lint
-	$(BIN)/python -m pytest
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests/kernels
+	$(PYTEST)
+	TRITON_INTERPRET=1 $(PYTEST) tests/kernels
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
