@@ -124,6 +124,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "(default: none, replies are all content).",
     )
     srv.add_argument(
+        "--tool-call-parser",
+        choices=defaults.TOOL_CALL_PARSERS,
+        default=None,
+        help="Parse the tool calls of chat replies (tool_choice auto) in the model family's "
+        "format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3) or "
+        "llama3_json (a JSON object reply: Llama 3.1-3.3) (default: none; requests with "
+        "tools and tool_choice auto are refused, required and named choices still work).",
+    )
+    srv.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=defaults.DEFAULT_SHUTDOWN_GRACE_S,
@@ -168,6 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.server_log_level,
         max_stored_responses=args.max_stored_responses,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -106,8 +106,10 @@ CHAT_ONLY: dict[str, list[Any]] = {
     "top_logprobs": [*WRONG_INT, -1, 21, 2],  # 2 without logprobs: true
     "max_completion_tokens": [*WRONG_INT, 0, -5, 10**9, 3],  # 3 differs from max_tokens
     "add_generation_prompt": WRONG_BOOL,
+    "tools": [[{"type": "browser"}], [{"type": "function", "function": {}}], {}, "f"],
+    "tool_choice": ["sometimes", {"type": "function"}, 1],
 }
-UNKNOWN = {"temprature": 1.0, "foo": {}, "tools": [], "response_format": {"type": "json"}}
+UNKNOWN = {"temprature": 1.0, "foo": {}, "functions": [], "response_format": {"type": "json"}}
 RAW_BODIES = [
     b"", b"{", b"{'prompt': 'w1'}", b"null", b"[]", b"123", b'"text"', b"true",
     b'{"prompt": NaN}', b'{"prompt": "w1", "temperature": Infinity}', b"\xff\xfe\x00garbage",

@@ -248,3 +248,38 @@ def test_responses_text_format_json_schema(server: RunningServer):
         client.responses.create(model=server.model, input="x", text={"format": bad})  # type: ignore[typeddict-item]
     assert caught.value.body["param"] == "text"
     assert "invalid JSON schema" in caught.value.body["message"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_required_and_named_tool_choice_constrain_the_call(server: RunningServer, tool_choice):
+    reply = server.client().chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice=tool_choice,
+        max_tokens=48,
+        temperature=1.0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)

@@ -43,6 +43,7 @@ from sparsevllm.server.tokenize import (
     tokenize,
     version,
 )
+from sparsevllm.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `async_engine` (its worker starts with the app).
 
@@ -125,10 +127,12 @@ def build_app(
     `max_queue_len` bounds the requests waiting for the engine (beyond it: 429);
     `max_stored_responses` is how many /v1/responses results are kept for GET and
     `previous_response_id` (oldest dropped first); `reasoning_parser` (server/reasoning.py)
-    splits replies' `<think>` text into `reasoning_content` and reasoning items.
+    splits replies' `<think>` text into `reasoning_content` and reasoning items;
+    `tool_call_parser` (server/tool_parsers.py) finds the tool calls of replies.
     """
     reasoning = get_reasoning_parser(reasoning_parser)
-    ctx = ServingContext(async_engine, served_model_name, max_queue_len, reasoning)
+    tools = get_tool_parser(tool_call_parser)
+    ctx = ServingContext(async_engine, served_model_name, max_queue_len, reasoning, tools)
     responses = ResponseStore(max_stored_responses)
 
     @asynccontextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -23,6 +24,7 @@ from sparsevllm.server.serving import (
     resolve_chain_id,
     respond,
 )
+from sparsevllm.server.tools import ToolPlan, ToolStream, plan_tools, tool_message
 
 logger = logging.getLogger(__name__)
 
@@ -35,30 +37,37 @@ async def create_chat_completion(
     ctx.check_fan_out(n)
     chain_id = resolve_chain_id(req.chain_id, raw, n)
     messages = [m.as_template_input() for m in req.messages]
+    plan = plan_tools(req, ctx.tool_parser)
     with ctx.admitting(n) as admission:
-        ids = await apply_template(ctx, messages, bool(req.add_generation_prompt))
+        ids = await apply_template(ctx, messages, bool(req.add_generation_prompt), tools=plan.tools)
         prompt = PromptInput(ids)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = check_context_length(
             len(prompt.token_ids), req.requested_max_tokens(), ctx.max_model_len, field, "messages"
         )
         params = req.sampling_params(max_tokens, req.logprobs_n())
+        structured_param = req.structured().param
+        if plan.constraint is not None:
+            params = dataclasses.replace(params, structured_outputs=plan.constraint)
+            structured_param = "tool_choice"
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices, engine_requests = fan_out(request_id, [prompt], params, n, chain_id)
-        stream = await ctx.submit(engine_requests, "messages", admission, req.structured().param)
-    fmt = _Formatter(ctx, req, request_id, prompt, ChainFields.of(stream))
+        stream = await ctx.submit(engine_requests, "messages", admission, structured_param)
+    fmt = _Formatter(ctx, req, request_id, prompt, ChainFields.of(stream), plan)
     head = fmt.head(choices) if req.stream else []
     return await respond(ctx, raw, stream, choices, fmt, head, req.stream)
 
 
 async def apply_template(
     ctx: ServingContext,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The token ids of `messages` through the chat template; `add_special_tokens` adds
-    the tokenizer's own (e.g. BOS) on top of what the template writes."""
+    """The token ids of `messages` (and `tools`) through the chat template;
+    `add_special_tokens` adds the tokenizer's own (e.g. BOS) on top of what the template
+    writes."""
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
@@ -66,11 +75,11 @@ async def apply_template(
     def render() -> list[int]:
         if add_special_tokens:  # through text: transformers 5 has no ids-level helper
             text = tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
             return list(tok.encode(text, add_special_tokens=True))
         out = tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
         )
         # Recent transformers return a BatchEncoding, older ones a list of ids.
         return list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -95,8 +104,11 @@ class _Formatter:
         request_id: str,
         prompt: PromptInput,
         chain: ChainFields,
+        plan: ToolPlan,
     ) -> None:
         self.ctx = ctx
+        self.plan = plan
+        self.tool_streams: dict[str, ToolStream] = {}  # by request id, when parsing calls
         self.req = req
         self.prompt = prompt
         self.chain = chain
@@ -121,34 +133,48 @@ class _Formatter:
         items = []
         for c in choices:
             assert c.final is not None
+            message, called = self._message(c.final.text)
             items.append(
                 {
                     "index": c.index,
-                    "message": self._message(c.final.text),
+                    "message": message,
                     "logprobs": self._logprobs(c, c.final),
-                    "finish_reason": finish_reason(c.final),
+                    "finish_reason": "tool_calls" if called else finish_reason(c.final),
                     "stop_reason": c.final.stop_reason,
                     **self.chain.choice(c.request_id),
                 }
             )
         return {**self.base, "choices": items, "usage": usage([self.prompt], choices)}
 
-    def _message(self, text: str) -> dict[str, Any]:
+    def _message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """The assistant message of a reply, and whether it calls tools."""
         if self.ctx.reasoning is None:
-            return {"role": "assistant", "content": text}
+            return tool_message(text, self.plan)
         split = self.ctx.reasoning.split(text, finished=True)
-        return {"role": "assistant", "content": split.content, "reasoning_content": split.reasoning}
+        message, called = tool_message(split.content, self.plan)
+        return {**message, "reasoning_content": split.reasoning}, called
 
     def _delta(self, choice: Choice, out: RequestOutput) -> dict[str, Any]:
-        """The new text of a stream chunk: `content`, and `reasoning_content` when parsing."""
-        text = choice.text_delta(out)
-        if self.ctx.reasoning is None:
-            return {"content": text} if text else {}
-        stream = self.reasoning.setdefault(choice.request_id, ReasoningStream(self.ctx.reasoning))
-        # Text up to what text_delta released (a partial stop string stays held back).
-        reasoning, content = stream.deltas(out.text[: choice.sent_chars], out.finished)
-        delta = {"reasoning_content": reasoning} if reasoning else {}
-        return {**delta, "content": content} if content else delta
+        """The new part of a stream chunk: `content`, `reasoning_content` with a reasoning
+        parser, and `tool_calls` (whole, at the end) when the reply makes calls."""
+        content = choice.text_delta(out)
+        delta: dict[str, Any] = {}
+        if self.ctx.reasoning is not None:
+            split = self.reasoning.setdefault(
+                choice.request_id, ReasoningStream(self.ctx.reasoning)
+            )
+            # Text up to what text_delta released (a partial stop string stays held back).
+            reasoning, content = split.deltas(out.text[: choice.sent_chars], out.finished)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        if self.plan.parses:
+            tools = self.tool_streams.setdefault(choice.request_id, ToolStream(self.plan))
+            content, calls = tools.feed(content, out.finished)
+            if calls:
+                delta["tool_calls"] = calls
+        if content:
+            delta["content"] = content
+        return delta
 
     def _chunk(self, choice: Choice, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
         item = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -168,7 +194,7 @@ class _Formatter:
                 choice,
                 delta,
                 logprobs=logprobs,
-                finish_reason=finish_reason(out),
+                finish_reason="tool_calls" if "tool_calls" in delta else finish_reason(out),
                 stop_reason=out.stop_reason if out.finished else None,
             )
         ]

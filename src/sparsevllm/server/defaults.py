@@ -15,3 +15,5 @@ DEFAULT_SHUTDOWN_GRACE_S = 5.0
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # Reasoning parsers of `serve --reasoning-parser` (server/reasoning.py defines them).
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# Tool-call parsers of `serve --tool-call-parser` (server/tool_parsers.py defines them).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")

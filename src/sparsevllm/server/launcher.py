@@ -105,6 +105,7 @@ def make_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> SparseServer:
     """A server ready to `run()` (or to run in a thread: then no signal handling)."""
     name = served_model_name or default_served_model_name(async_engine.config)
@@ -116,6 +117,7 @@ def make_server(
         max_body_bytes=max_body_bytes,
         max_stored_responses=max_stored_responses,
         reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser,
     )
     config = uvicorn.Config(
         app,
@@ -139,6 +141,7 @@ def run_server(
     log_level: str = "info",
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, shut down gracefully; returns 0."""
     from sparsevllm.engine.engine import LLMEngine
@@ -164,6 +167,7 @@ def run_server(
         log_level,
         max_stored_responses=max_stored_responses,
         reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser,
     )
     server.run()
     logger.info("server stopped")

@@ -9,6 +9,7 @@ fields accept ``null``, which some clients send for "not set".
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -36,6 +37,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
 TokenId = Annotated[int, Field(ge=0)]  # the vocabulary's upper bound is checked by the engine
 # One stop string: non-empty (an empty one would stop at once), and bounded.
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
@@ -180,19 +182,83 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object's text
+
+
+class ToolCallIn(StrictModel):
+    """A tool call of an earlier assistant message, sent back in the history."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    """One chat message; `content` is text or a list of text parts."""
+    """One chat message; `content` is text or a list of text parts (null only for an
+    assistant message that makes tool calls)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None  # a tool message answers this call
 
-    def as_template_input(self) -> dict[str, str]:
-        texts = self.content if isinstance(self.content, str) else [p.text for p in self.content]
-        message = template_message(self.role, texts)
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only with an assistant's tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content or ""
+        texts = content if isinstance(content, str) else [p.text for p in content]
+        message: dict[str, Any] = template_message(self.role, texts)
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Chat templates read the arguments as a mapping (HF's convention).
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                 "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
         return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionSpec(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(StrictModel):
+    """One entry of `tools`: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 def engine_temperature(value: float | None) -> float:
@@ -216,11 +282,26 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True
+    # Tool calling (server/tools.py): functions the model may call.
+    tools: Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice other than none/auto needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice names {choice.function.name!r}, which is not in tools "
+                f"({', '.join(names)})"
+            )
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens differ; send only one")

@@ -32,6 +32,7 @@ from sparsevllm.server.errors import APIError, bad_request
 from sparsevllm.server.formatting import SSE_DONE, Choice, PromptInput, TokenStrings, sse
 from sparsevllm.server.protocol import CHAIN_ID_HEADER, check_chain_id
 from sparsevllm.server.reasoning import ReasoningParser
+from sparsevllm.server.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +53,13 @@ class ServingContext:
         model_name: str,
         max_queue_len: int,
         reasoning: ReasoningParser | None = None,
+        tool_parser: ToolParser | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_queue_len = max_queue_len
         self.reasoning = reasoning  # splits replies' <think> text from their content
+        self.tool_parser = tool_parser  # finds the tool calls of `tool_choice: auto` replies
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.token_strings = TokenStrings(engine.tokenizer)
