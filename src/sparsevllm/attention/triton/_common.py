@@ -76,6 +76,28 @@ def check_kv_scales(
     return True
 
 
+def check_new_kv(
+    quantized: bool,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    num_tokens: int,
+    k_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's own K/V for a quantized cache (required: `[T, Hkv, D]`, unit-stride last
+    dim); a model-dtype cache reads them from itself and gets the cache as a dummy."""
+    if not quantized:
+        if k_new is not None or v_new is not None:
+            raise ValueError("k_new/v_new go with a quantized cache (k_scale/v_scale)")
+        return k_cache, k_cache
+    want = (num_tokens, *k_cache.shape[1:])
+    if k_new is None or v_new is None:
+        raise ValueError("a quantized cache needs k_new and v_new (the chunks' own K/V)")
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(t.shape) != want or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be {list(want)} with a unit-stride last dim")
+    return k_new, v_new
+
+
 def check_attention_args(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]

@@ -38,6 +38,7 @@ from sparsevllm.attention.triton._common import (
     LOG2E,
     check_attention_args,
     check_kv_scales,
+    check_new_kv,
     dot_precision,
     next_pow2,
     scale_launch_args,
@@ -272,28 +273,6 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dm)
-
-
-def check_new_kv(
-    quantized: bool,
-    k_new: torch.Tensor | None,
-    v_new: torch.Tensor | None,
-    num_tokens: int,
-    k_cache: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk's own K/V for a quantized cache (required: `[T, Hkv, D]`, unit-stride last
-    dim); a model-dtype cache reads them from itself and gets the cache as a dummy."""
-    if not quantized:
-        if k_new is not None or v_new is not None:
-            raise ValueError("k_new/v_new go with a quantized cache (k_scale/v_scale)")
-        return k_cache, k_cache
-    want = (num_tokens, *k_cache.shape[1:])
-    if k_new is None or v_new is None:
-        raise ValueError("a quantized cache needs k_new and v_new (the chunks' own K/V)")
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        if tuple(t.shape) != want or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be {list(want)} with a unit-stride last dim")
-    return k_new, v_new
 
 
 def prefill_config(head_dim: int, max_q_len: int, dtype: torch.dtype) -> dict[str, int]:
