@@ -24,11 +24,13 @@ from sparsevllm.structured_outputs import StructuredOutputsParams
 # Compiled constraints kept (each holds its grammar's lexer; a hostile client sending a
 # fresh schema per request must not grow the cache without bound).
 MAX_CACHED_GRAMMARS = 256
-# What JSON may hold between two of its tokens by default: up to 8 spaces or tabs, or one
-# line break and up to 32 of indentation; llguidance matches it once per gap, so a gap
-# is bounded. JSON's own "any whitespace" lets a small model at temperature 1 fall into
-# emitting newlines until max_tokens cuts the document (1 in 100 did on SmolLM2-135M).
-DEFAULT_JSON_WHITESPACE = r"[\x20\x09]{1,8}|\x0D?\x0A[\x20\x09]{0,32}"
+# What JSON may hold between two of its tokens by default: one space, or one line break
+# and up to 8 spaces of indentation (pretty-printed JSON); llguidance matches it once
+# per gap, so a gap is bounded. JSON's own "any whitespace" lets a small model at
+# temperature 1 fall into emitting newlines until max_tokens cuts the document (1 in 100
+# did on SmolLM2-135M), and a looser bound (8 spaces or tabs, or a line break and 32 of
+# indentation) still let one of 100 pad its gaps with tab runs until max_tokens cut it.
+DEFAULT_JSON_WHITESPACE = r"\x20|\x0A\x20{0,8}"
 _WHAT = {
     "json": "JSON schema",
     "json_object": "JSON object constraint",
