@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparsevllm.engine.detokenizer import releasable_prefix
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -49,17 +51,9 @@ class ReasoningParser:
         if end < 0:
             if finished:
                 return Split(rest, "")
-            return Split(rest[: len(rest) - _partial_suffix(rest, CLOSE)], "")
+            return Split(rest[: releasable_prefix(rest, [CLOSE])], "")
         # The blank line models put after the tag is not part of the answer.
         return Split(rest[:end], rest[end + len(CLOSE) :].lstrip("\n"))
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 PARSERS: dict[str, ReasoningParser] = {

@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparsevllm.engine.detokenizer import releasable_prefix
+
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -114,12 +116,7 @@ class ToolParser:
             head = text.lstrip()
             return 0 if not head or head[0] in "{<" else len(text)
         at = text.find(self.marker)
-        if at >= 0:
-            return at
-        for n in range(min(len(self.marker) - 1, len(text)), 0, -1):
-            if text.endswith(self.marker[:n]):
-                return len(text) - n
-        return len(text)
+        return at if at >= 0 else releasable_prefix(text, [self.marker])
 
 
 PARSERS: dict[str, ToolParser] = {
