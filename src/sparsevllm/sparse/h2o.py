@@ -19,11 +19,11 @@ from sparsevllm.sparse.base import (
     KVAccess,
     MethodSettings,
     RowScores,
-    ScoreEviction,
     SeqStep,
     add_padded,
     gqa_mean,
 )
+from sparsevllm.sparse.interval import IntervalEviction
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 
@@ -37,8 +37,7 @@ class H2OKnobs(MethodKnobs):
     )
 
 
-class H2O(ScoreEviction):
-    evicts_during_decode = True
+class H2O(IntervalEviction):
     name = "h2o"
     knobs: H2OKnobs
 
@@ -56,13 +55,6 @@ class H2O(ScoreEviction):
 
     def layer_budget(self, layer: int) -> int:
         return self.budget
-
-    def max_resident(self, prompt_len: int, max_tokens: int) -> int:
-        bound = self.budget + self.interval + self.config.chunk_prefill_size
-        return min(prompt_len + max_tokens, bound)
-
-    def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
-        return min(prompt_len + max_tokens, self.budget + self.interval)
 
     def decode_score_rows(self) -> int:
         return 1

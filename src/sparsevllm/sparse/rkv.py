@@ -41,10 +41,10 @@ from sparsevllm.sparse.base import (
     KVAccess,
     MethodSettings,
     RowScores,
-    ScoreEviction,
     SeqStep,
     gqa_mean,
 )
+from sparsevllm.sparse.interval import IntervalEviction
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 _EPS = 1e-12  # zero keys have cosine 0 instead of NaN
@@ -76,10 +76,9 @@ class Vote:
     votes: torch.Tensor  # [Hkv, L_step] summed over the rows, GQA-averaged
 
 
-class RKV(ScoreEviction):
+class RKV(IntervalEviction):
     name = "rkv"
     knobs: RKVKnobs
-    evicts_during_decode = True
 
     def __init__(
         self,
@@ -93,15 +92,6 @@ class RKV(ScoreEviction):
         self.interval = self.knobs.rkv_interval
         self.window = self.knobs.rkv_window_size
         self._votes: dict[int, dict[int, deque[Vote]]] = {}  # seq -> layer -> last steps
-
-    def max_resident(self, prompt_len: int, max_tokens: int) -> int:
-        # A chunk (of the prompt, or of outputs computed again after a preemption) can
-        # add up to a chunk above budget + interval before the layer is compressed.
-        bound = self.budget + self.interval + self.config.chunk_prefill_size
-        return min(prompt_len + max_tokens, bound)
-
-    def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
-        return min(prompt_len + max_tokens, self.budget + self.interval)
 
     def decode_score_rows(self) -> int:
         return 1
