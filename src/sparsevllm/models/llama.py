@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from sparsevllm.attention.backend import ForwardBatch
-from sparsevllm.layers.activation import get_activation
 from sparsevllm.layers.linear import Projections
+from sparsevllm.layers.mlp import GatedMLP
 from sparsevllm.layers.norm import RMSNorm
 from sparsevllm.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -63,19 +63,9 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(GatedMLP):
     def __init__(self, config: Any, bias: bool = False) -> None:
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
-        self.act = get_activation(config.hidden_act)
-        self.gate_up = Projections(self.gate_proj, self.up_proj)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return self.down_proj(self.act(gate) * up)
+        super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act, bias)
 
 
 class LlamaDecoderLayer(nn.Module):
