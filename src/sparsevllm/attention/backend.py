@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import abc
 import importlib
+import logging
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.kv.format import KVStorage
+from sparsevllm.kv.layout import KVLayout
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,9 +86,16 @@ class AttentionBackend(abc.ABC):
     """Stores K/V into slots and computes causal attention over slot views."""
 
     name: str = "abstract"
+    # Whether a decode step through this backend can be captured in a CUDA graph.
+    graph_safe: ClassVar[bool] = True
 
     def __init__(self, storage: list[KVStorage]) -> None:
         self.storage = storage  # per layer
+
+    @classmethod
+    def serves(cls, layout: KVLayout) -> bool:
+        """Whether the backend's kernels read storage of this KV layout."""
+        return True
 
     @abc.abstractmethod
     def forward(
@@ -91,13 +103,16 @@ class AttentionBackend(abc.ABC):
         layer: int,
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, value_dim]
         batch: ForwardBatch,
         scale: float,
         window: int | None = None,
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    ) -> torch.Tensor:  # [T, num_heads, value_dim]
         """`window` (sliding-window layers): a query at view entry p sees only the
-        entries p - window < j <= p, i.e. itself and the window - 1 before it."""
+        entries p - window < j <= p, i.e. itself and the window - 1 before it.
+
+        `value_dim` is `head_dim` except in a shared-KV layout (MLA), where `v` is the
+        first `value_dim` entries of `k` (kv/layout.py)."""
 
 
 # name -> "module:Class", imported lazily so CPU installs never import Triton.
@@ -110,6 +125,21 @@ _BACKENDS: dict[str, str] = {
 def default_backend_name(device: torch.device) -> str:
     """Triton kernels on CUDA, the reference implementation elsewhere."""
     return "triton" if device.type == "cuda" else "torch"
+
+
+def backend_for(name: str, layout: KVLayout) -> type[AttentionBackend]:
+    """Backend `name`, or the torch reference when its kernels do not read `layout`
+    (the reference reads every layout, on every device)."""
+    cls = get_backend_class(name)
+    if cls.serves(layout):
+        return cls
+    logger.warning(
+        "the %s attention backend has no kernels for the %s KV layout: using the torch "
+        "reference backend (eager, no CUDA graphs)",
+        name,
+        layout.name,
+    )
+    return get_backend_class("torch")
 
 
 def get_backend_class(name: str) -> type[AttentionBackend]:

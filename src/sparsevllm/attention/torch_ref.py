@@ -21,6 +21,7 @@ from sparsevllm.kv.format import KVStorage
 
 class TorchRefBackend(AttentionBackend):
     name = "torch"
+    graph_safe = False  # host loops and host syncs per sequence
 
     def forward(
         self,
@@ -35,7 +36,7 @@ class TorchRefBackend(AttentionBackend):
         group = batch.group_of_layer[layer]
         storage = self.storage[layer]
         storage.store(k, v, batch.slot_mapping[group])
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])  # [T, Hq, Dv] (MLA: Dv < D)
         picks = _selection(layer, q, batch) if window is None else None
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
             view = batch.view(group, i)
@@ -127,7 +128,8 @@ def attend(
 ) -> torch.Tensor:
     """Causal GQA attention of the last `n` view entries' queries over the whole view.
 
-    q: [n, Hq, D]; k, v: [L, Hkv, D] with the queries' own keys as the last n rows.
+    q: [n, Hq, D]; k: [L, Hkv, D], v: [L, Hkv, Dv] with the queries' own keys as the
+    last n rows; returns `[n, Hq, Dv]`.
     `window`: each query sees only itself and the `window - 1` view entries before it.
     `key_mask` `[Hkv, L]` (single query only): the keys each KV head may read.
     """
@@ -137,7 +139,7 @@ def attend(
         # so the work is O(n * (n + window)), not O(n * L).
         keep = min(k.shape[0], n - 1 + window)
         k, v = k[-keep:], v[-keep:]
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    hq, hkv, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     kt = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     vt = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
     if n == 1:
@@ -146,7 +148,7 @@ def attend(
         qf = q.reshape(hkv, hq // hkv, d).unsqueeze(0)  # [1, Hkv, G, D]
         mask = None if key_mask is None else key_mask[None, :, None, :]  # [1, Hkv, 1, L]
         out = F.scaled_dot_product_attention(qf, kt, vt, attn_mask=mask, scale=scale)
-        return out.reshape(1, hq, d)
+        return out.reshape(1, hq, dv)
     if key_mask is not None:
         raise ValueError("a per-head key mask serves a single query")
     mask = causal_mask(n, k.shape[0], q.device, window)

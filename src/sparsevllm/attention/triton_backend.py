@@ -22,10 +22,16 @@ from sparsevllm.attention.triton import (
     store_kv,
     window_attention_mass,
 )
+from sparsevllm.kv.layout import KVLayout
 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+
+    @classmethod
+    def serves(cls, layout: KVLayout) -> bool:
+        # The kernels read separate K and V buffers of one head_dim (no MLA kernels yet).
+        return not layout.shared_kv
 
     def forward(
         self,

@@ -9,7 +9,7 @@ from typing import NamedTuple, Protocol, cast
 
 import torch
 
-from sparsevllm.attention.backend import ForwardBatch, default_backend_name, get_backend_class
+from sparsevllm.attention.backend import ForwardBatch, backend_for, default_backend_name
 from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.capacity import CapacityPlan
@@ -22,10 +22,10 @@ from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.step_plan import StepPlan
 from sparsevllm.kv.format import KVFormat, KVStorage
-from sparsevllm.kv.registry import check_device, get_format
+from sparsevllm.kv.registry import check_device, create_storage, get_format, layer_bytes
 from sparsevllm.layers.sampler import SampledTokens, Sampler, SamplerOutput, make_generator
-from sparsevllm.models.llama import head_dim_of
 from sparsevllm.models.loader import ModelSource, build_model
+from sparsevllm.models.registry import kv_layout_of
 from sparsevllm.sparse.base import SeqStep
 from sparsevllm.sparse.registry import create_method
 from sparsevllm.sparse.spec import DecodeViews
@@ -66,16 +66,18 @@ class ModelRunner:
         model = build_model(source, max_model_len, self.dtype, self.device, config.seed)
         self.model = cast(CausalLM, model)
         self.num_layers: int = hf.num_hidden_layers
-        self.num_kv_heads: int = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        self.head_dim: int = head_dim_of(hf)
+        self.kv_layout = kv_layout_of(model, hf)  # per-head K/V, or MLA's latent row
+        self.num_kv_heads: int = self.kv_layout.num_kv_heads
+        self.head_dim: int = self.kv_layout.head_dim
         self.window_groups = self._window_groups()
         windowed = {layer for w in self.window_groups for layer in w.layers}
         # Sparse methods manage the full-attention layers; sliding ones keep their window.
         sliding = [layer for layer, _ in self._sliding_layers()]
         self.sliding_layers = sliding
         managed = [layer for layer in range(self.num_layers) if layer not in sliding]
+        layers = managed if sliding else None
         self.method = create_method(
-            config, self.num_layers, self.num_kv_heads, managed if sliding else None
+            config, self.num_layers, self.num_kv_heads, layers, self.kv_layout.name
         )
         self.kv_format = get_format(config.kv_cache_dtype)
         check_device(self.kv_format, self.device)
@@ -85,11 +87,12 @@ class ModelRunner:
             rows = next((w.num_slots for w in self.window_groups if layer in w.layers), None)
             # Window groups are sized to the window (a few MB): they keep the model dtype.
             fmt = self.kv_format if rows is None else _MODEL_DTYPE
-            storage = fmt.create(
-                rows or self.num_slots, self.num_kv_heads, self.head_dim, self.dtype, self.device
+            storage = create_storage(
+                fmt, rows or self.num_slots, self.kv_layout, self.dtype, self.device
             )
             self.kv_storage.append(storage)
-        self.backend = get_backend_class(default_backend_name(self.device))(self.kv_storage)
+        backend = backend_for(default_backend_name(self.device), self.kv_layout)
+        self.backend = backend(self.kv_storage)
         if windowed:
             logger.info(
                 "sliding-window layers %s keep their last window - 1 tokens (%s slots)",
@@ -121,7 +124,7 @@ class ModelRunner:
 
     def _layer_bytes(self, fmt: KVFormat) -> int:
         """Bytes of one token's K and V at one layer stored in `fmt`."""
-        return fmt.bytes_per_slot(self.num_kv_heads, self.head_dim, self.dtype)
+        return layer_bytes(fmt, self.kv_layout, self.dtype)
 
     def _sliding_layers(self) -> list[tuple[int, int]]:
         """(layer, window) of the model's sliding-window layers."""
@@ -304,7 +307,7 @@ class ModelRunner:
         self.tables = DeviceSlotTables(pool.num_groups, rows.num_rows, rows.max_len, self.device)
         self.kv = RunnerKV(pool, self.kv_storage, self.tables, rows)
         self.graphs = None
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.graph_safe:
             graphs = DecodeGraphs(self, self.capacity.graph_max_batch)
             graphs.capture()
             self.graphs = graphs

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.kv.dense import MODEL_DTYPE
-from sparsevllm.kv.format import KVFormat
+from sparsevllm.kv.format import KVFormat, KVStorage
+from sparsevllm.kv.latent import LatentStorage
+from sparsevllm.kv.layout import KVLayout
 from sparsevllm.kv.names import FORMAT_NAMES, check_format_name
 from sparsevllm.kv.scaled import FP8_E4M3, INT8
 
@@ -32,3 +34,20 @@ def check_device(fmt: KVFormat, device: torch.device) -> None:
     raise ValueError(
         f"kv_cache_dtype {fmt.name!r} cannot be used on {where}; usable here: {', '.join(usable)}"
     )
+
+
+def create_storage(
+    fmt: KVFormat, num_slots: int, layout: KVLayout, dtype: torch.dtype, device: torch.device
+) -> KVStorage:
+    """One layer's storage of `layout` in `fmt`: per-head K and V, or one latent row."""
+    if layout.shared_kv:
+        return LatentStorage(fmt, num_slots, layout, dtype, device)
+    return fmt.create(num_slots, layout.num_kv_heads, layout.head_dim, dtype, device)
+
+
+def layer_bytes(fmt: KVFormat, layout: KVLayout, model_dtype: torch.dtype) -> int:
+    """Bytes of one token at one layer of `layout` stored in `fmt`, scales included."""
+    if not layout.shared_kv:
+        return fmt.bytes_per_slot(layout.num_kv_heads, layout.head_dim, model_dtype)
+    elem = torch.empty((), dtype=fmt.element_dtype or model_dtype).element_size()
+    return layout.num_kv_heads * (layout.head_dim * elem + (4 if fmt.scaled else 0))

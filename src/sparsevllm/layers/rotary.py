@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE), including Llama-3 frequency scaling."""
+"""Rotary position embeddings (RoPE), including Llama-3 and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -31,7 +31,51 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return (inv_freq / float(params["factor"])).float()
     if rope_type == "llama3":
         return _llama3_scale(inv_freq, params).float()
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type == "yarn":
+        return _yarn_scale(inv_freq, head_dim, params).float()
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)"
+    )
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(params: dict[str, Any]) -> float:
+    """The factor YaRN applies to cos and sin (1 for the other rope types), as
+    transformers infers it: from `mscale` / `mscale_all_dim` when both are given."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def _yarn_scale(inv_freq: torch.Tensor, dim: int, p: dict[str, Any]) -> torch.Tensor:
+    # YaRN: frequencies that turn fewer than beta_slow times over the original context
+    # are interpolated (divided by `factor`), those above beta_fast kept, a linear ramp
+    # between (transformers' `_compute_yarn_parameters`).
+    base, factor = float(p["rope_theta"]), float(p["factor"])
+    old_len = float(p["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def _llama3_scale(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
@@ -61,9 +105,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, params)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
+        scale = attention_factor(params)  # YaRN scales cos and sin alike
         # Kept in float32: bf16 angles at long positions lose too much precision.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -7,6 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from sparsevllm.kv.layout import KVLayout, gqa_layout
+
 # architecture -> "module:Class"; imported lazily.
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "sparsevllm.models.llama:LlamaForCausalLM",
@@ -14,6 +16,9 @@ _MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "sparsevllm.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "sparsevllm.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "sparsevllm.models.mixtral:MixtralForCausalLM",
+    "DeepseekV3ForCausalLM": "sparsevllm.models.deepseek_v3:DeepseekV3ForCausalLM",
+    # GLM-4.7-Flash: DeepSeek-V3's network under another config class.
+    "Glm4MoeLiteForCausalLM": "sparsevllm.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Gemma3ForCausalLM": "sparsevllm.models.gemma3:Gemma3ForCausalLM",
     # Multimodal Gemma 3 checkpoints (4B and up): only the language model is run.
     "Gemma3ForConditionalGeneration": "sparsevllm.models.gemma3:Gemma3ForCausalLM",
@@ -24,6 +29,8 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
@@ -46,3 +53,16 @@ def model_class_for(config: Any) -> type[nn.Module]:
         f"unsupported model architecture {archs or model_type!r}; "
         f"supported: {', '.join(supported_architectures())}"
     )
+
+
+def kv_layout_of(model: nn.Module, config: Any) -> KVLayout:
+    """What one token of one layer stores: the model's own `kv_layout()` (MLA's latent
+    row), else K and V per KV head of the config's attention."""
+    own = getattr(model, "kv_layout", None)
+    if own is not None:
+        layout: KVLayout = own()
+        return layout
+    from sparsevllm.models.llama import head_dim_of
+
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return gqa_layout(heads, head_dim_of(config))

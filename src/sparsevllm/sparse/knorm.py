@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsevllm.kv.layout import MLA_LATENT
 from sparsevllm.sparse.base import KVAccess, ScoreEviction, SeqStep
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec
 
@@ -42,4 +43,10 @@ SPEC = MethodSpec(
     budget_knob="decode_keep_tokens",
     chain_cache=True,
     prune_scorer=prune_scores,
+    # Its signal is the norm of each head's post-RoPE key; an MLA cache holds the shared
+    # latent instead, whose c_kv part leaves kv_a_layernorm at a near-constant norm.
+    refused_layouts={
+        MLA_LATENT: "it ranks tokens by per-head key norms, and an MLA latent row is "
+        "RMS-normalised (kv_a_layernorm), so its norm carries no such signal"
+    },
 )

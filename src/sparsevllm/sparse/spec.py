@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias, TypeVar, Union, cast
 
+from sparsevllm.kv.layout import LAYOUT_NAMES
+
 if TYPE_CHECKING:
     import torch
 
@@ -150,6 +152,8 @@ class MethodSpec:
       as the scorer of `LLM.prune` (None: it cannot).
     - `kv_formats`: the `kv_cache_dtype` names whose storage the method can serve
       (None: every format; a method that reads stored bytes itself would list its own).
+    - `refused_layouts`: KV layouts (kv/layout.py: `gqa`, `mla_latent`) the method cannot
+      serve, each with the reason; the engine refuses the method on such a model.
 
     How the method uses decode views (`decode_views`) is read from its class, which
     declares it beside the select_views it describes.
@@ -167,6 +171,7 @@ class MethodSpec:
     chain_cache: bool = False
     prune_scorer: PruneScorer | None = None
     kv_formats: tuple[str, ...] | None = None
+    refused_layouts: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -179,6 +184,9 @@ class MethodSpec:
         unknown = set(self.budget_fields) - set(SHARED_BUDGET)
         if unknown:
             raise ValueError(f"budget_fields must be among {SHARED_BUDGET}, got {sorted(unknown)}")
+        unknown_layouts = set(self.refused_layouts) - set(LAYOUT_NAMES)
+        if unknown_layouts:
+            raise ValueError(f"refused_layouts must be among {LAYOUT_NAMES}, got {unknown_layouts}")
         own = (*self.budget_fields, *self.knobs.names())
         if self.budget_knob is not None and self.budget_knob not in own:
             raise ValueError(f"budget_knob {self.budget_knob!r} is none of {self.name}'s settings")
