@@ -82,3 +82,22 @@ def test_scheduling_variants_keep_outputs(mla_model, hf_reference, kind, engine_
         assert stats["num_preemptions"] > 0
         assert stats["kv_slots_peak"] <= engine_kwargs["num_kv_slots"]
     assert stats["kv_slots_used"] == stats["kv_slots_cached"]  # no request holds slots
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_quantized_latent_rows(mla_model, hf_reference, fmt):
+    """A scaled format stores each latent row with one scale: 4 layers x (40 + 4) bytes
+    per token. A prompt prefilled in one chunk reads its own rows as computed, so its
+    logits are exact; decode steps read the stored rows (int8 keeps the first 8 greedy
+    tokens of every prompt here; fp8's 3 mantissa bits drift sooner)."""
+    path = mla_model("deepseek_v3")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", kv_cache_dtype=fmt)
+    assert llm.stats()["kv_bytes_per_slot"] == 4 * (32 + 8 + 4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[3]])).logits[0]
+    assert torch.allclose(llm.prompt_logits(PROMPTS[3]), ref, atol=1e-4, rtol=0)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.token_ids) == 32 for o in outs)
+    if fmt == "int8":
+        assert [o.token_ids[:8] for o in outs] == [r[:8] for r in hf_reference["deepseek_v3"]]

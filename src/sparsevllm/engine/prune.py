@@ -27,6 +27,7 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.cache.store import PrefixStore, PruneResult, PruneSpec, PruneTarget
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.prune_select import check_prune_method, combine, score_entries, select_keep
+from sparsevllm.sparse.registry import check_layout, method_spec
 from sparsevllm.upload import upload
 
 if TYPE_CHECKING:
@@ -99,8 +100,13 @@ class RunnerPruner:
                 "histories"
             )
 
+    def check_method(self, method: str) -> None:
+        """A scorer that cannot read this model's KV layout is refused, with its reason."""
+        check_layout(method_spec(method), self.runner.kv_layout.name)
+
     def keep_shared(self, slots: list[int], positions: list[int], spec: PruneSpec) -> list[int]:
         runner, cfg, method = self.runner, self.config, spec.method
+        self.check_method(method)
         device = runner.device
         index = upload(slots, torch.long, device)
         logical = upload(positions, torch.int32, device)
@@ -115,6 +121,7 @@ class RunnerPruner:
 
     def prune_views(self, owner: int, spec: PruneSpec) -> None:
         pool = self.pool
+        self.check_method(spec.method)
         # Sliding-window groups hold only the newest window - 1 tokens: nothing to prune.
         for g, layers in enumerate(pool.layer_groups[: pool.num_main_groups]):
             self._prune_group(owner, g, layers, spec.ranges, spec.method, spec.keep_ratio)
