@@ -22,6 +22,7 @@ from tqdm import tqdm
 from sparsevllm.bench.model_configs import MODEL_CONFIGS, write_model_config
 from sparsevllm.engine.kv_pool import shuffle_seed
 from sparsevllm.layers.moe import SparseMoeBlock
+from sparsevllm.layers.moe_shared import SharedExpertsMoeBlock
 from sparsevllm.llm import LLM
 from sparsevllm.sampling import SamplingParams
 
@@ -48,6 +49,11 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float
     return 2 * src.numel() * 4 / statistics.median(times[2:])
 
 
+# Routed-expert blocks (`gate` with `top_k`, stacked `experts`): a decode step reads only
+# the experts its tokens are routed to; shared experts and dense MLPs are read whole.
+MOE_BLOCKS = (SparseMoeBlock, SharedExpertsMoeBlock)
+
+
 def expected_active_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
     """Expected distinct experts that `num_tokens` tokens, each routed to `top_k` distinct
     experts uniformly at random, activate: E * (1 - (1 - k/E)^T). 64 tokens x 8 of 128
@@ -60,7 +66,7 @@ def active_expert_fractions(model: torch.nn.Module, batch: int) -> dict[int, flo
     tokens reads (the expected distinct experts under uniform routing, over all)."""
     fractions: dict[int, float] = {}
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
+        if isinstance(module, MOE_BLOCKS):
             experts = module.gate.weight.shape[0]
             active = expected_active_experts(experts, module.gate.top_k, batch)
             for p in module.experts.parameters():
@@ -87,7 +93,7 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int = 1) -> int:
 
 def moe_report(model: torch.nn.Module, batch: int) -> dict[str, Any] | None:
     """What the roofline assumed of a mixture-of-experts model (None for dense ones)."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    blocks = [m for m in model.modules() if isinstance(m, MOE_BLOCKS)]
     if not blocks:
         return None
     experts, top_k = blocks[0].gate.weight.shape[0], blocks[0].gate.top_k

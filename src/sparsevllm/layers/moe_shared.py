@@ -93,6 +93,10 @@ class GroupLimitedRouter(nn.Module):
             torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
         )
 
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
         return grouped_topk(logits, self.e_score_correction_bias, self.routing)
