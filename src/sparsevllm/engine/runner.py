@@ -178,8 +178,9 @@ class ModelRunner:
         window_bytes = sum(w.num_slots * len(w.layers) * window_layer for w in self.window_groups)
         main_layers = self.num_layers - sum(len(w.layers) for w in self.window_groups)
         main_bytes: float = max(main_layers, 1) * self._layer_bytes(self.kv_format)
+        elem = self.dtype.itemsize
         # Method state (Quest's page bounds) holds dequantized keys: the model dtype's size.
-        main_bytes += self.method.state_bytes_per_slot(self._layer_bytes(_MODEL_DTYPE))
+        main_bytes += self.method.state_bytes_per_slot(self.kv_layout.key_pair_bytes(elem))
         if cfg.kv_cache_memory_gb is None and self.device.type != "cuda":
             # Enough for every sequence at full length, but never more than 1 GiB.
             budget = window_bytes + self.capacity.cpu_kv_bytes(main_bytes)

@@ -44,6 +44,12 @@ class KVLayout:
         if not self.shared_kv and self.value_dim != self.head_dim:
             raise ValueError("separate K and V buffers have one head_dim")
 
+    def key_pair_bytes(self, element_size: int) -> int:
+        """Bytes of two key rows of one token (every KV head) at `element_size` bytes a
+        value: what a per-page (min, max) key summary takes, K + V of a slot in a per-head
+        layout, two latent rows in MLA's."""
+        return 2 * self.num_kv_heads * self.head_dim * element_size
+
 
 def gqa_layout(num_kv_heads: int, head_dim: int) -> KVLayout:
     return KVLayout(GQA, num_kv_heads, head_dim, head_dim)

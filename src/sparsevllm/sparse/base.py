@@ -205,7 +205,8 @@ class SparseMethod:
 
     def state_bytes_per_slot(self, kv_bytes_per_layer_slot: int) -> float:
         """Device bytes of method state per KV slot (sized with the pool, so the pool
-        leaves room for it); `kv_bytes_per_layer_slot`: one slot's K+V at one layer."""
+        leaves room for it); `kv_bytes_per_layer_slot`: two key rows of one slot at one
+        layer in the model dtype (one slot's K+V in a per-head layout)."""
         return 0.0
 
     def knob_values(self) -> dict[str, SettingValue]:

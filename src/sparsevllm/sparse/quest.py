@@ -63,8 +63,7 @@ class Quest(SparseMethod):
         self._active = True
 
     def state_bytes_per_slot(self, kv_bytes_per_layer_slot: int) -> float:
-        # Per sparse layer a page of `size` slots keeps two key rows (min, max): the
-        # bytes of one slot's K and V.
+        # Per sparse layer a page of `size` slots keeps two key rows (min, max).
         n = len(self.pages.layers) if self.pages else 0
         return n * kv_bytes_per_layer_slot / self.knobs.quest_chunk_size
 
