@@ -148,4 +148,4 @@ class RunnerPruner:
             kv.keep(owner, group, keep[0].tolist())
             keep = keep.expand(kv.num_kv_heads, -1)
         for layer in layers:
-            self.runner.method.on_compressed(owner, layer, keep)
+            self.runner.methods.of(owner).on_compressed(owner, layer, keep)
