@@ -109,7 +109,7 @@ class SamplingParams:
             self.kv_budget = int(budget)
         if self.min_accuracy is not None:
             if budget != "auto":
-                raise ValueError("min_accuracy applies to kv_budget='auto' only")
+                raise ValueError("min_accuracy must come with kv_budget='auto' (it is its floor)")
             self.min_accuracy = _require_float(
                 "min_accuracy", self.min_accuracy, low=0.0, high=1.0, low_open=True
             )
