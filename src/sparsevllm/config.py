@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from sparsevllm.kv.names import FORMAT_NAMES, check_format_name
+from sparsevllm.sparse.choice import MethodChoice
 from sparsevllm.sparse.registry import (
     all_knob_names,
     canonical_method_name,
@@ -59,7 +60,11 @@ FIELD_HELP: dict[str, str] = {
     "steady decode step before the current one's tokens reach the host (same outputs). "
     "Unset: on with CUDA, off on CPU (where nothing runs concurrently with the host, and "
     "a streamed token would arrive one step later).",
-    "sparse_method": "KV sparsity method (see `sparsevllm methods`).",
+    "sparse_method": "KV sparsity method (see `sparsevllm methods`): the method of requests "
+    "that choose none; always served.",
+    "sparse_methods": "More methods the engine serves beside sparse_method (comma-separated); "
+    "a request may choose any served method and its budget (`SamplingParams.sparse_method`, "
+    "the server's `sparse_method` and `kv_budget` fields), and one batch mixes them.",
     "prefill_policy": "all_chunked or long_bs1full_short_batch (default: the method's, from "
     "the registry; a contradicting choice is an error).",
     "long_prefill_offload_threshold": "long_bs1full_short_batch: prompts with more residual "
@@ -116,6 +121,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     sparse_method: str = "vanilla"
+    sparse_methods: tuple[str, ...] = ()
     prefill_policy: str | None = None
     long_prefill_offload_threshold: int = 65536
     enable_prefix_caching: bool | None = None
@@ -170,6 +176,7 @@ class EngineConfig:
 
     def _validate_sparse(self) -> None:
         object.__setattr__(self, "sparse_method", canonical_method_name(self.sparse_method))
+        object.__setattr__(self, "sparse_methods", self._validated_methods())
         object.__setattr__(self, "method_knobs", self._validated_knobs())
         for name, low in _KNOB_MINIMUM.items():
             value = getattr(self, name)
@@ -185,19 +192,52 @@ class EngineConfig:
                 f"{self.recent_keep_tokens}) must not exceed decode_keep_tokens "
                 f"({self.decode_keep_tokens})"
             )
-        resolve_prefill_policy(self.sparse_method, self.prefill_policy)
+        for name in self.served_methods:
+            resolve_prefill_policy(name, self.prefill_policy)
         self._validate_kv_format()
         self._validate_prefix_caching()
 
     def _validate_kv_format(self) -> None:
         _check_type("kv_cache_dtype", self.kv_cache_dtype, str)
         check_format_name(self.kv_cache_dtype)
-        served = method_spec(self.sparse_method).kv_formats
-        if served is not None and self.kv_cache_dtype not in served:
-            raise ValueError(
-                f"{self.sparse_method} cannot serve kv_cache_dtype {self.kv_cache_dtype!r}; "
-                f"it serves {', '.join(served)} (all formats: {', '.join(FORMAT_NAMES)})"
+        for name in self.served_methods:
+            served = method_spec(name).kv_formats
+            if served is not None and self.kv_cache_dtype not in served:
+                raise ValueError(
+                    f"{name} cannot serve kv_cache_dtype {self.kv_cache_dtype!r}; "
+                    f"it serves {', '.join(served)} (all formats: {', '.join(FORMAT_NAMES)})"
+                )
+
+    def _validated_methods(self) -> tuple[str, ...]:
+        """`sparse_methods` as canonical names (a comma-separated string or a list)."""
+        given: object = self.sparse_methods
+        if isinstance(given, str):
+            given = [name for name in given.replace(" ", "").split(",") if name]
+        if not isinstance(given, (list, tuple)):
+            raise ValueError(f"sparse_methods must be a list of method names, got {given!r}")
+        names = [canonical_method_name(name) for name in given]
+        return tuple(dict.fromkeys(n for n in names if n != self.sparse_method))
+
+    @property
+    def served_methods(self) -> tuple[str, ...]:
+        """Every method requests may choose: sparse_method first, then sparse_methods."""
+        return (self.sparse_method, *self.sparse_methods)
+
+    def method_choices(self) -> dict[str, MethodChoice]:
+        """Each served method with the engine's settings: the configured knobs for
+        sparse_method, the method's defaults for the others."""
+        out = {}
+        for name in self.served_methods:
+            knobs = self.method_knobs if name == self.sparse_method else method_spec(name).knobs()
+            out[name] = MethodChoice(
+                name,
+                self.sink_keep_tokens,
+                self.recent_keep_tokens,
+                self.decode_keep_tokens,
+                self.chunk_prefill_size,
+                knobs,
             )
+        return out
 
     def _validated_knobs(self) -> MethodKnobs:
         spec = method_spec(self.sparse_method)
@@ -214,23 +254,24 @@ class EngineConfig:
         return self.method_knobs
 
     def _validate_prefix_caching(self) -> None:
-        spec = method_spec(self.sparse_method)
+        specs = [method_spec(name) for name in self.served_methods]
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", True)
         _check_type("enable_prefix_caching", self.enable_prefix_caching, bool)
         _check_choice("prefix_cache_mode", self.prefix_cache_mode, ("auto", "radix", "chain"))
         mode = self.prefix_cache_mode
+        evicting = next((s for s in specs if not s.prefix_cache), None)
         if mode == "auto":
-            mode = "radix" if spec.prefix_cache else "chain"
-        elif mode == "radix" and not spec.prefix_cache:
+            mode = "radix" if evicting is None else "chain"
+        elif mode == "radix" and evicting is not None:
             raise ValueError(
                 f"prefix_cache_mode 'radix' needs storage that stays a plain prefix; "
-                f"{self.sparse_method} ({spec.family}) evicts KV: use 'chain'"
+                f"{evicting.name} ({evicting.family}) evicts KV: use 'chain'"
             )
-        elif mode == "chain" and not spec.chain_cache:
+        elif mode == "chain" and not any(s.chain_cache for s in specs):
             raise ValueError(
-                f"prefix_cache_mode 'chain' is for eviction methods; {self.sparse_method} "
-                "keeps a plain prefix: use 'radix'"
+                f"prefix_cache_mode 'chain' is for eviction methods; "
+                f"{', '.join(self.served_methods)} keep a plain prefix: use 'radix'"
             )
         object.__setattr__(self, "prefix_cache_mode", mode)
         self._validate_disk_offload()

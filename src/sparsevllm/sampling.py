@@ -39,6 +39,13 @@ class SamplingParams:
     JSON schema, a regex, a choice or a grammar (a ``StructuredOutputsParams``, or a
     dict of its fields). ``stop`` is normalised to a list of strings and
     ``stop_token_ids`` to a list of ints by ``__post_init__``.
+
+    A request may choose its KV sparsity among the methods its engine serves
+    (``EngineConfig.sparse_methods``): ``sparse_method`` (None: the engine's),
+    ``kv_budget`` (KV tokens per layer, sink and recent included, set through the
+    method's budget knob; ``"auto"``: the smallest calibrated budget whose accuracy stays
+    at or above ``min_accuracy``) and ``sparse_knobs`` (the method's settings by name,
+    applied after ``kv_budget``).
     """
 
     n: int = 1
@@ -60,9 +67,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    sparse_method: str | None = None
+    kv_budget: int | str | None = None
+    min_accuracy: float | None = None
+    sparse_knobs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._validate_ints()
+        self._validate_sparse()
         self._validate_floats()
         self._validate_bools()
         self._normalise_stops()
@@ -86,6 +98,26 @@ class SamplingParams:
             self.truncate_prompt_tokens = _require_int(
                 "truncate_prompt_tokens", self.truncate_prompt_tokens, low=1
             )
+
+    def _validate_sparse(self) -> None:
+        if self.sparse_method is not None and not isinstance(self.sparse_method, str):
+            raise ValueError(f"sparse_method must be a method name, got {self.sparse_method!r}")
+        budget = self.kv_budget
+        if budget is not None and budget != "auto":
+            if not _is_int(budget) or int(budget) < 1:
+                raise ValueError(f"kv_budget must be a positive integer or 'auto', got {budget!r}")
+            self.kv_budget = int(budget)
+        if self.min_accuracy is not None:
+            if budget != "auto":
+                raise ValueError("min_accuracy must come with kv_budget='auto' (it is its floor)")
+            self.min_accuracy = _require_float(
+                "min_accuracy", self.min_accuracy, low=0.0, high=1.0, low_open=True
+            )
+        knobs = self.sparse_knobs
+        if knobs is not None:
+            if not isinstance(knobs, Mapping) or not all(isinstance(k, str) for k in knobs):
+                raise ValueError(f"sparse_knobs must map setting names to values, got {knobs!r}")
+            self.sparse_knobs = dict(knobs)
 
     def _validate_floats(self) -> None:
         self.temperature = _require_float("temperature", self.temperature, low=0.0)

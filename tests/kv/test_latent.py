@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsevllm.kv.layout import KVLayout, gqa_layout, latent_layout
+from sparsevllm.kv.layout import SlotLayout, gqa_layout, latent_layout
 from sparsevllm.kv.names import FORMAT_NAMES
 from sparsevllm.kv.registry import create_storage, get_format, layer_bytes
 
@@ -79,7 +79,7 @@ def test_slot_minus_one_is_skipped():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(name="paged", num_kv_heads=1, head_dim=8, value_dim=8), "unknown KV layout"),
+        (dict(name="paged", num_kv_heads=1, head_dim=8, value_dim=8), "unknown slot layout"),
         (dict(name="gqa", num_kv_heads=0, head_dim=8, value_dim=8), "positive sizes"),
         (
             dict(name="mla_latent", num_kv_heads=1, head_dim=8, value_dim=9, shared_kv=True),
@@ -90,4 +90,4 @@ def test_slot_minus_one_is_skipped():
 )
 def test_bad_layouts_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        KVLayout(**kwargs)
+        SlotLayout(**kwargs)

@@ -27,7 +27,8 @@ from sparsevllm.sparse.registry import (
 from sparsevllm.sparse.spec import MethodSpec
 from tiny_mla import save_tiny_mla
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+GREEDY_KW = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(**GREEDY_KW)
 PROMPTS = MATRIX_PROMPTS
 SERVED = [m for m in method_names() if MLA_LATENT not in method_spec(m).refused_layouts]
 REFUSED = [m for m in method_names() if m not in SERVED]
@@ -45,7 +46,7 @@ def vanilla_tokens(model):
 
 def test_the_served_methods_are_the_expected_ones():
     assert REFUSED == ["knorm"]
-    layouts = {row["name"]: row["kv_layouts"] for row in methods_table()}  # `sparsevllm methods`
+    layouts = {row["name"]: row["slot_layouts"] for row in methods_table()}  # `sparsevllm methods`
     assert layouts["knorm"] == ["gqa"] and layouts["snapkv"] == ["gqa", "mla_latent"]
 
 
@@ -126,3 +127,22 @@ def test_methods_see_the_latent_rows_and_the_true_attention_probabilities(model)
         cached = out.past_key_values.layers[layer]
         latent = torch.cat([cached.keys[0, 0], cached.values[0, 0]], dim=-1)  # [T, R + P]
         assert torch.allclose(keys[:, 0], latent, atol=1e-5)
+
+
+def test_per_request_methods_on_mla(model):
+    """An engine serving several methods on MLA: each request of a mixed batch gets its
+    own method's tokens; serving one that cannot read latent rows is refused at start."""
+    knobs = {**METHOD_KNOBS["snapkv"]}
+    mixed = LLM(model, sparse_methods=["snapkv", "h2o"], **knobs)
+    methods = ["snapkv", "h2o", "snapkv", "h2o"]
+    params = [SamplingParams(**GREEDY_KW, sparse_method=m) for m in methods]
+    outs = [o.token_ids for o in mixed.generate(PROMPTS, params, use_tqdm=False)]
+    for method in ("snapkv", "h2o"):
+        alone = LLM(model, sparse_method=method, **knobs)
+        idx = [i for i, m in enumerate(methods) if m == method]
+        want = alone.generate(
+            [PROMPTS[i] for i in idx], SamplingParams(**GREEDY_KW), use_tqdm=False
+        )
+        assert [outs[i] for i in idx] == [o.token_ids for o in want]
+    with pytest.raises(ValueError, match="'knorm' cannot serve this model's mla_latent"):
+        LLM(model, sparse_methods=["snapkv", "knorm"])

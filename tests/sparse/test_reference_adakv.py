@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from eviction_harness import make_method
+from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.attention.torch_ref import attention_mass
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool
@@ -95,6 +96,12 @@ def random_qk(seed: int, length: int):
     return q, k
 
 
+def one_row_step(kv: RunnerKV, step: SeqStep) -> SparseStep:
+    """The sparse side of a one-row decode batch."""
+    zeros = torch.zeros(1, dtype=torch.int32)
+    return SparseStep([0], zeros, zeros.bool(), kv, steps=[step])
+
+
 def views_of(m: AdaKV, kv: RunnerKV, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The method's decode views of sequence 0 at `layer` (a one-row batch)."""
     view_len = kv.resident(0, layer)
@@ -102,7 +109,7 @@ def views_of(m: AdaKV, kv: RunnerKV, layer: int) -> tuple[torch.Tensor, torch.Te
         group_of_layer=list(range(LAYERS)),
         view_lens=[[view_len] for _ in range(LAYERS)],
         q_lens=[1],
-        sparse=SimpleNamespace(steps=[SeqStep(0, 0, 0, 1, 1)]),
+        sparse=one_row_step(kv, SeqStep(0, 0, 0, 1, 1)),
     )
     picked = m.select_views(layer, torch.zeros(1, HQ, D), batch)  # type: ignore[arg-type]
     assert picked is not None
@@ -175,7 +182,7 @@ def test_adakv_within_budget_reads_everything_and_admission_counts_the_worst_hea
         group_of_layer=[0, 1],
         view_lens=[[24], [24]],
         q_lens=[1],
-        sparse=SimpleNamespace(steps=[SeqStep(0, 0, 23, 1, 20)]),
+        sparse=one_row_step(kv, SeqStep(0, 0, 23, 1, 20)),
     )
     assert m.select_views(0, torch.zeros(1, HQ, D), batch) is None  # type: ignore[arg-type]
     # budget 30 = 4 sink + 4 recent + 22 middle; safeguard 4: the other head may take

@@ -18,7 +18,7 @@ import torch
 
 from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.kv.format import KVStorage
-from sparsevllm.kv.layout import KVLayout
+from sparsevllm.kv.layout import SlotLayout
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ class AttentionBackend(abc.ABC):
         self.storage = storage  # per layer
 
     @classmethod
-    def serves(cls, layout: KVLayout) -> bool:
-        """Whether the backend's kernels read storage of this KV layout."""
+    def serves(cls, layout: SlotLayout) -> bool:
+        """Whether the backend's kernels read storage of this slot layout."""
         return True
 
     @abc.abstractmethod
@@ -127,14 +127,14 @@ def default_backend_name(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def backend_for(name: str, layout: KVLayout) -> type[AttentionBackend]:
+def backend_for(name: str, layout: SlotLayout) -> type[AttentionBackend]:
     """Backend `name`, or the torch reference when its kernels do not read `layout`
     (the reference reads every layout, on every device)."""
     cls = get_backend_class(name)
     if cls.serves(layout):
         return cls
     logger.warning(
-        "the %s attention backend has no kernels for the %s KV layout: using the torch "
+        "the %s attention backend has no kernels for the %s slot layout: using the torch "
         "reference backend (eager, no CUDA graphs)",
         name,
         layout.name,

@@ -51,6 +51,13 @@ class SparseStep:
     kv: KVAccess
     steps: list[SeqStep] = field(default_factory=list)
     score_layers: frozenset[int] | None = None
+    # A batch that mixes methods: each row's method (an opaque object the methods
+    # compare themselves with, see `own_steps`) and its score layers (replacing
+    # score_layers); None: one method serves every row.
+    owners: list[object] | None = None
+    row_score_layers: list[frozenset[int] | None] | None = None
+    # Each row's method id on the device ([S] int32; what merged decode views mask by).
+    method_ids_t: torch.Tensor | None = None
     # The method's batched decode views; None: every view is read whole.
     select_views: SelectViews | None = None
     # A decode-graph capture: the rows are padding standing for every later decode step,
@@ -65,11 +72,19 @@ class SparseStep:
     def num_seqs(self) -> int:
         return len(self.score_rows)
 
+    def own_steps(self, method: object) -> list[SeqStep]:
+        """The steps of the rows `method` serves (every step when one method serves all)."""
+        owners = self.owners
+        if owners is None:
+            return self.steps
+        return [st for st in self.steps if owners[st.row] is method]
+
     def wants_scores(self, layer: int, i: int) -> int:
         """Query rows of sequence i whose probabilities `layer` reports (0: none)."""
         if not self.score_rows[i]:
             return 0
-        if self.score_layers is not None and layer not in self.score_layers:
+        layers = self.score_layers if self.row_score_layers is None else self.row_score_layers[i]
+        if layers is not None and layer not in layers:
             return 0
         return self.score_rows[i]
 
@@ -84,7 +99,10 @@ class SparseStep:
         self.step_score_lens[layer] = view_lens
 
     def drop_scores(self, layer: int) -> None:
-        """Free a layer's probabilities (a method that has taken what it needs)."""
+        """Free a layer's probabilities (a method that has taken what it needs); in a
+        batch of several methods they stay for the others."""
+        if self.owners is not None:
+            return
         self.scores.pop(layer, None)
         self.step_scores.pop(layer, None)
         self.step_score_lens.pop(layer, None)

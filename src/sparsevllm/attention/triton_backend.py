@@ -22,14 +22,14 @@ from sparsevllm.attention.triton import (
     store_kv,
     window_attention_mass,
 )
-from sparsevllm.kv.layout import KVLayout
+from sparsevllm.kv.layout import SlotLayout
 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
 
     @classmethod
-    def serves(cls, layout: KVLayout) -> bool:
+    def serves(cls, layout: SlotLayout) -> bool:
         # The kernels read separate K and V buffers of one head_dim (no MLA kernels yet).
         return not layout.shared_kv
 

@@ -15,7 +15,6 @@ import torch
 
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.attention.sparse_step import SparseStep
-from sparsevllm.sparse.spec import DecodeViews
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -48,22 +47,21 @@ class DecodeGraphs:
         self.view_lens = torch.ones((groups, b), dtype=torch.int32, device=dev)
         self.decode = torch.ones(b, dtype=torch.bool, device=dev)  # replays are decode-only
         self.score_rows = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.method_ids = torch.full((b,), -1, dtype=torch.int32, device=dev)
         # The last table row is the padding row: its first entry points at slot 0.
         self.pad_row = runner.rows.num_rows - 1
         runner.rows.reserve(self.pad_row)
         runner.tables.table[:, self.pad_row, 0] = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.epoch = 0  # the method's graph_epoch when the graphs were captured
+        self.epoch: tuple[tuple[int, int], ...] = ()  # MethodSet.graph_epoch at capture
         self.mem_pool: _POOL_HANDLE | None = None
 
     def _static_batch(self, size: int) -> ForwardBatch:
         r = self.runner
         groups = r.pool.num_groups
-        method = r.method
-        in_graph = method.decode_views is DecodeViews.GRAPH
         # Decode rows' score requests (OmniKV's full layers): asked for every row, the
         # device copy says which rows really want them.
-        want = method.decode_score_rows() if in_graph else 0
+        want, score_layers = r.methods.graph_scores()
         width = r.tables.table.shape[2]
         batch = ForwardBatch(
             positions=self.positions[:size],
@@ -86,24 +84,26 @@ class DecodeGraphs:
                 score_rows_t=self.score_rows[:size],
                 decode_t=self.decode[:size],
                 kv=r.kv,
-                score_layers=method.score_layers,
+                score_layers=score_layers,
+                method_ids_t=self.method_ids[:size],
                 # Methods whose decode views are graph-safe compute them inside the graph.
-                select_views=method.select_views if in_graph else None,
+                select_views=r.methods.graph_views(self.method_ids[:size]),
                 capturing=True,
             ),
         )
-        # As before every eager step: the method drops its previous step's results (a
+        # As before every eager step: the methods drop their previous step's results (a
         # warm-up run's must not be replayed by the captured graph).
-        method.begin_step(batch)
+        for method in r.methods.instances:
+            method.begin_step(batch)
         return batch
 
     @torch.inference_mode()
     def capture(self) -> None:
         r = self.runner
         model = r.model
-        if r.method.decode_views is DecodeViews.GRAPH:
-            r.method.prepare_graph_capture(r.kv, *r.tables.table.shape[1:])
-        self.epoch = r.method.graph_epoch
+        for method in r.methods.graph_methods():
+            method.prepare_graph_capture(r.methods.kv_for(method), *r.tables.table.shape[1:])
+        self.epoch = r.methods.graph_epoch
         self.graphs.clear()
         self.rows.fill_(self.pad_row)
         for size in reversed(self.buckets):  # largest first: smaller ones reuse its pool
@@ -129,8 +129,9 @@ class DecodeGraphs:
         return num_seqs <= self.buckets[-1]
 
     def refresh(self) -> None:
-        """Capture again if the method reallocated device state its views read."""
-        if self.epoch != self.runner.method.graph_epoch:
+        """Capture again if a method reallocated device state its views read (or a
+        graph-view method was added)."""
+        if self.epoch != self.runner.methods.graph_epoch:
             logger.info("sparse-method state was reallocated: capturing decode graphs again")
             self.mem_pool = None
             self.capture()
@@ -147,6 +148,8 @@ class DecodeGraphs:
         # A prompt's 1-token last chunk is not a decode row.
         self.decode[:s].copy_(batch.sparse.decode_t)
         self.score_rows[:s].copy_(batch.sparse.score_rows_t)
+        if batch.sparse.method_ids_t is not None:
+            self.method_ids[:s].copy_(batch.sparse.method_ids_t)
         if size > s:
             self.ids[s:size].zero_()
             self.positions[s:size].zero_()
@@ -155,6 +158,7 @@ class DecodeGraphs:
             self.view_lens[:, s:size].fill_(1)
             self.decode[s:size].fill_(True)
             self.score_rows[s:size].zero_()
+            self.method_ids[s:size].fill_(-1)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:s]

@@ -25,6 +25,7 @@ from sparsevllm.engine.structured import GrammarCompiler
 from sparsevllm.models.loader import load_model_source
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling import SamplingParams
+from sparsevllm.sparse.choice import MethodChoice
 from sparsevllm.sparse.registry import resolve_prefill_policy
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,14 @@ class LLMEngine:
         limit = getattr(self.source.hf_config, "max_position_embeddings", None)
         self.max_model_len = resolve_max_model_len(config.max_model_len, limit)
         self.prefill_policy = resolve_prefill_policy(config.sparse_method, config.prefill_policy)
-        self.capacity = CapacityPlan.derive(config, self.max_model_len, self.prefill_policy)
+        # Sized for the widest policy among the served methods (a long prompt of a
+        # method that prefills it alone needs the activations of one full step).
+        policies = [resolve_prefill_policy(m, config.prefill_policy) for m in config.served_methods]
+        widest = max(policies, key=lambda p: p == "long_bs1full_short_batch")
+        self.capacity = CapacityPlan.derive(config, self.max_model_len, widest)
         self.runner = ModelRunner(config, self.source, self.capacity)
-        self.method = self.runner.method
+        self.method = self.runner.method  # the configured method (requests may choose others)
+        self.methods = self.runner.methods
         groups, window_groups = self.runner.pool_groups()
         seed = shuffle_seed(config.kv_slot_order, config.seed)
         self.pool = KVPool(
@@ -114,8 +120,19 @@ class LLMEngine:
             ids = ids[-keep:]
         return text, ids
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def method_choice(self, prompt_ids: list[int], params: SamplingParams) -> MethodChoice:
+        """The sparse method and settings serving a request (ValueError naming the
+        problem: a method not served, a setting it does not read, a budget it lacks)."""
+        if params.kv_budget == "auto":
+            raise ValueError(
+                "kv_budget 'auto' is not available: no calibration is loaded for this model"
+            )
+        budget = params.kv_budget if isinstance(params.kv_budget, int) else None
+        return self.methods.resolve(params.sparse_method, params.sparse_knobs, budget)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> MethodChoice:
         """Raise ValueError if this request can never run; nothing is queued then.
+        Returns the method choice that serves it.
 
         The prompt and max_tokens must fit max_model_len together (the server's rule
         too): a prompt is never cut silently (see `truncate_prompt_tokens`)."""
@@ -138,7 +155,8 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        need = self.method.max_resident(n, params.max_tokens)
+        choice = self.method_choice(prompt_ids, params)
+        need = self.methods.instance(choice).max_resident(n, params.max_tokens)
         if need > self.pool.num_slots:
             raise ValueError(
                 f"request needs up to {need} KV slots per layer but the pool holds only "
@@ -146,6 +164,7 @@ class LLMEngine:
             )
         if params.structured_outputs is not None:  # compiled now (and cached) or refused
             self.grammars.check(params.structured_outputs)
+        return choice
 
     def add_request(
         self,
@@ -158,15 +177,20 @@ class LLMEngine:
         raises ChainBusyError if another running request is extending that chain."""
         params = params or SamplingParams()
         text, ids = self.prompt_ids(prompt, params)
-        self.validate(ids, params)
+        choice = self.validate(ids, params)
         if request_id is not None and request_id in self._by_request:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # The store finds a named conversation now, so that a busy one is refused here.
-        claim = self.store.claim(ids, chain_id) if self.store is not None else NO_CLAIM
+        # The store finds a named conversation now, so that a busy one is refused here;
+        # a conversation continues only under the method choice that built it.
+        claim = NO_CLAIM
+        if self.store is not None:
+            claim = self.store.claim(ids, chain_id, choice.key)
         seq_id = claim.owner if claim.owner is not None else next(self._seq_ids)
         request_id = request_id or f"req-{seq_id}-{next(self._seq_ids)}"
         seq = Sequence(seq_id, request_id, ids, params, frozenset(self.eos_token_ids), text)
         seq.chain_id, seq.chain_status = claim.chain_id, claim.status
+        seq.method = choice
+        self.methods.bind(seq_id, choice)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.new_state(params.structured_outputs)
         if claim.cached_tokens:

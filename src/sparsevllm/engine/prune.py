@@ -27,7 +27,7 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.cache.store import PrefixStore, PruneResult, PruneSpec, PruneTarget
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.engine.prune_select import check_prune_method, combine, score_entries, select_keep
-from sparsevllm.sparse.registry import check_layout, method_spec
+from sparsevllm.sparse.registry import check_slot_layout, method_spec
 from sparsevllm.upload import upload
 
 if TYPE_CHECKING:
@@ -101,8 +101,8 @@ class RunnerPruner:
             )
 
     def check_method(self, method: str) -> None:
-        """A scorer that cannot read this model's KV layout is refused, with its reason."""
-        check_layout(method_spec(method), self.runner.kv_layout.name)
+        """A scorer that cannot read this model's slot layout is refused, with its reason."""
+        check_slot_layout(method_spec(method), self.runner.slot_layout.name)
 
     def keep_shared(self, slots: list[int], positions: list[int], spec: PruneSpec) -> list[int]:
         runner, cfg, method = self.runner, self.config, spec.method
@@ -155,4 +155,4 @@ class RunnerPruner:
             kv.keep(owner, group, keep[0].tolist())
             keep = keep.expand(kv.num_kv_heads, -1)
         for layer in layers:
-            self.runner.method.on_compressed(owner, layer, keep)
+            self.runner.methods.of(owner).on_compressed(owner, layer, keep)

@@ -17,22 +17,21 @@ from sparsevllm.engine.cuda_graph import DecodeGraphs
 from sparsevllm.engine.devices import resolve_device, resolve_dtype
 from sparsevllm.engine.grammar_mask import grammar_bitmask
 from sparsevllm.engine.kv_access import RunnerKV
+from sparsevllm.engine.kv_layout import KVLayout
 from sparsevllm.engine.kv_pool import KVPool, WindowGroup
+from sparsevllm.engine.method_set import MethodSet, StepMethods
 from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.step_plan import StepPlan
-from sparsevllm.kv.format import KVFormat, KVStorage
-from sparsevllm.kv.registry import check_device, create_storage, get_format, layer_bytes
+from sparsevllm.kv.format import KVStorage
+from sparsevllm.kv.registry import check_device
 from sparsevllm.layers.sampler import SampledTokens, Sampler, SamplerOutput, make_generator
 from sparsevllm.models.loader import ModelSource, build_model
-from sparsevllm.models.registry import kv_layout_of
+from sparsevllm.models.registry import slot_layout_of
 from sparsevllm.sparse.base import SeqStep
-from sparsevllm.sparse.registry import create_method
-from sparsevllm.sparse.spec import DecodeViews
 from sparsevllm.upload import upload
 
 logger = logging.getLogger(__name__)
-_MODEL_DTYPE = get_format("auto")
 
 
 class CausalLM(Protocol):
@@ -66,44 +65,38 @@ class ModelRunner:
         model = build_model(source, max_model_len, self.dtype, self.device, config.seed)
         self.model = cast(CausalLM, model)
         self.num_layers: int = hf.num_hidden_layers
-        self.kv_layout = kv_layout_of(model, hf)  # per-head K/V, or MLA's latent row
-        self.num_kv_heads: int = self.kv_layout.num_kv_heads
-        self.head_dim: int = self.kv_layout.head_dim
-        self.window_groups = self._window_groups()
-        windowed = {layer for w in self.window_groups for layer in w.layers}
-        # Sparse methods manage the full-attention layers; sliding ones keep their window.
-        sliding = [layer for layer, _ in self._sliding_layers()]
-        self.sliding_layers = sliding
-        managed = [layer for layer in range(self.num_layers) if layer not in sliding]
-        layers = managed if sliding else None
-        self.method = create_method(
-            config, self.num_layers, self.num_kv_heads, layers, self.kv_layout.name
+        self.slot_layout = slot_layout_of(model, hf)  # per-head K/V, or MLA's latent row
+        self.num_kv_heads: int = self.slot_layout.num_kv_heads
+        self.head_dim: int = self.slot_layout.head_dim
+        sliding = list(getattr(model, "sliding_window_layers", lambda: [])())
+        self.layout = KVLayout(
+            config,
+            capacity,
+            sliding,
+            self.num_layers,
+            self.slot_layout,
+            self.dtype,
+            self.device,
         )
-        self.kv_format = get_format(config.kv_cache_dtype)
+        self.sliding_layers = [layer for layer, _ in sliding]
+        self.methods = MethodSet(
+            config.method_choices(),
+            config.sparse_method,
+            self.num_layers,
+            self.num_kv_heads,
+            self.layout.managed_layers,
+            self.slot_layout.name,
+        )
+        self.method = self.methods.default  # the engine's configured method
+        self.kv_format = self.layout.kv_format
         check_device(self.kv_format, self.device)
-        self.num_slots = self._decide_num_slots()
-        self.kv_storage: list[KVStorage] = []
-        for layer in range(self.num_layers):
-            rows = next((w.num_slots for w in self.window_groups if layer in w.layers), None)
-            # Window groups are sized to the window (a few MB): they keep the model dtype.
-            fmt = self.kv_format if rows is None else _MODEL_DTYPE
-            storage = create_storage(
-                fmt, rows or self.num_slots, self.kv_layout, self.dtype, self.device
-            )
-            self.kv_storage.append(storage)
-        backend = backend_for(default_backend_name(self.device), self.kv_layout)
+        act = capacity.activation_bytes(
+            hf.hidden_size, hf.intermediate_size, hf.vocab_size, hf.num_attention_heads
+        )
+        self.num_slots = self.layout.num_slots(self.methods.state_bytes_per_slot, act)
+        self.kv_storage: list[KVStorage] = self.layout.create(self.num_slots)
+        backend = backend_for(default_backend_name(self.device), self.slot_layout)
         self.backend = backend(self.kv_storage)
-        if windowed:
-            logger.info(
-                "sliding-window layers %s keep their last window - 1 tokens (%s slots)",
-                sorted(windowed),
-                ", ".join(str(w.num_slots) for w in self.window_groups),
-            )
-        elif sliding:
-            logger.info(
-                "radix prefix caching: sliding-window layers keep full history so cached "
-                "prefixes stay reusable (disable prefix caching to keep only their window)"
-            )
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator | None] = {}
         logger.info(
@@ -122,76 +115,10 @@ class ModelRunner:
         elements and their scales)."""
         return sum(storage.bytes_per_slot() for storage in self.kv_storage)
 
-    def _layer_bytes(self, fmt: KVFormat) -> int:
-        """Bytes of one token's K and V at one layer stored in `fmt`."""
-        return layer_bytes(fmt, self.kv_layout, self.dtype)
-
-    def _sliding_layers(self) -> list[tuple[int, int]]:
-        """(layer, window) of the model's sliding-window layers."""
-        fn = getattr(self.model, "sliding_window_layers", None)
-        return list(fn()) if fn is not None else []
-
-    def _window_groups(self) -> list[WindowGroup]:
-        """Window groups for the sliding layers, or none when they must keep everything:
-        the radix prefix cache shares whole prefixes, whose sliding-layer KV would be
-        gone (those layers then join the main group and read through their window)."""
-        cfg = self.config
-        if cfg.enable_prefix_caching and cfg.prefix_cache_mode == "radix":
-            return []
-        by_window: dict[int, list[int]] = {}
-        for layer, window in self._sliding_layers():
-            by_window.setdefault(window, []).append(layer)
-        return [
-            WindowGroup(layers, w, self.capacity.window_slots(w))
-            for w, layers in sorted(by_window.items())
-        ]
-
     def pool_groups(self) -> tuple[list[list[int]], list[WindowGroup]]:
-        """The KV pool's layout: the method's groups (plus, under radix caching, the
-        sliding layers in its single group) and the window groups."""
-        groups = self.method.layer_groups()
-        extra = [layer for layer, _ in self._sliding_layers()]
-        if extra and not self.window_groups:
-            if len(groups) != 1:
-                raise ValueError("radix prefix caching needs a single layer group")
-            groups = [sorted(groups[0] + extra)]
-        return groups, self.window_groups
-
-    def _decide_num_slots(self) -> int:
-        cfg = self.config
-        if cfg.num_kv_slots is not None:
-            return cfg.num_kv_slots
-        budget: float
-        if cfg.kv_cache_memory_gb is not None:
-            budget = cfg.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            hf = self.hf_config
-            act = self.capacity.activation_bytes(
-                hf.hidden_size, hf.intermediate_size, hf.vocab_size, hf.num_attention_heads
-            )
-            budget = total * cfg.gpu_memory_utilization - (total - free) - act
-        else:
-            budget = 0.0  # the CPU default below
-        # Window groups have fixed sizes; the main layers share what is left.
-        window_layer = self._layer_bytes(_MODEL_DTYPE)
-        window_bytes = sum(w.num_slots * len(w.layers) * window_layer for w in self.window_groups)
-        main_layers = self.num_layers - sum(len(w.layers) for w in self.window_groups)
-        main_bytes: float = max(main_layers, 1) * self._layer_bytes(self.kv_format)
-        elem = self.dtype.itemsize
-        # Method state (Quest's page bounds) holds dequantized keys: the model dtype's size.
-        main_bytes += self.method.state_bytes_per_slot(self.kv_layout.key_pair_bytes(elem))
-        if cfg.kv_cache_memory_gb is None and self.device.type != "cuda":
-            # Enough for every sequence at full length, but never more than 1 GiB.
-            budget = window_bytes + self.capacity.cpu_kv_bytes(main_bytes)
-        slots = int((budget - window_bytes) // main_bytes)
-        if slots < 1:
-            raise ValueError(
-                f"no memory left for the KV pool ({budget / 2**30:.2f} GiB, of which "
-                f"{window_bytes / 2**30:.2f} GiB for sliding-window layers); lower the model "
-                "size or max_num_seqs, or raise the budget"
-            )
-        return slots
+        """The KV pool's layout: the methods' common groups (plus, under radix caching,
+        the sliding layers in its single group) and the window groups."""
+        return self.layout.pool_groups(self.methods.layout)
 
     # -- per-request state ------------------------------------------------------------
     def add_generator(self, seq_id: int, seed: int | None) -> None:
@@ -201,7 +128,7 @@ class ModelRunner:
         """Drop the KV pool and captured graphs, and the weights too if asked (the engine
         is unusable afterwards); used before another engine runs in the same process."""
         self.kv_storage.clear()
-        self.method.free_device_memory()
+        self.methods.free_device_memory()
         self.graphs = None
         del self.backend
         if weights:
@@ -211,9 +138,9 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def release(self, seq_id: int, keep_generator: bool = False) -> None:
-        """Forget a sequence's method state (and its generator unless it will resume
-        after a preemption); its table row is the host's (`SlotRows`)."""
-        self.method.release(seq_id)
+        """Forget a sequence's method state (and its generator and method choice unless it
+        will resume after a preemption); its table row is the host's (`SlotRows`)."""
+        self.methods.release(seq_id, unbind=not keep_generator)
         self.kv.forget(seq_id)
         if not keep_generator:
             self.generators.pop(seq_id, None)
@@ -243,16 +170,16 @@ class ModelRunner:
     def forward(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The model over the planned tokens: the sampling rows' logits `[S, vocab]`
         (None when no row samples), for `sample` now or later."""
-        batch, t_ids, steps = self._prepare(plan)
+        batch, t_ids, steps, methods = self._prepare(plan)
         input_ids = t_ids if input_ids is None else input_ids
-        graphs = self.graphs if self._use_graph(batch) else None
+        graphs = self.graphs if self._use_graph(batch, methods) else None
         if graphs is not None:
             graphs.refresh()
             logits = graphs.run(batch, input_ids)[batch.logits_indices]  # [S, vocab]
         else:
             hidden = self.model(input_ids, batch)  # [T, hidden]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
-        self.method.after_step(steps, batch.sparse.row_scores(), batch.sparse.kv)
+        methods.after_step(steps, batch.sparse.row_scores())
         self._trim_windows(steps)
         return logits if plan.sample_rows else None
 
@@ -274,7 +201,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits at every planned position, `[T, vocab]` (teacher forcing, no sampling)."""
-        batch, input_ids, steps = self._prepare(plan)
+        batch, input_ids, steps, _ = self._prepare(plan)
         logits = self.model.compute_logits(self.model(input_ids, batch)).float()
         self._trim_windows(steps)
         return logits
@@ -286,19 +213,15 @@ class ModelRunner:
             for step in steps:
                 self.pool.trim(step.seq_id)
 
-    def _use_graph(self, batch: ForwardBatch) -> bool:
+    def _use_graph(self, batch: ForwardBatch, methods: StepMethods) -> bool:
         """Replay a captured graph when nothing in the step needs the host mid-forward."""
-        views = self.method.decode_views
         return (
             self.graphs is not None
             and batch.decode_only
             and self.graphs.fits(batch.num_seqs)
             # Graph-computed decode views serve their score requests inside the graph;
             # otherwise scores are read on the host, after the forward.
-            and (
-                views is DecodeViews.GRAPH
-                or (views is DecodeViews.NONE and not any(batch.sparse.score_rows))
-            )
+            and methods.graph_ok(batch.sparse.score_rows)
         )
 
     def bind_pool(self, pool: KVPool, rows: SlotRows) -> None:
@@ -307,26 +230,33 @@ class ModelRunner:
         self.rows = rows
         self.tables = DeviceSlotTables(pool.num_groups, rows.num_rows, rows.max_len, self.device)
         self.kv = RunnerKV(pool, self.kv_storage, self.tables, rows)
+        self.methods.attach(self.kv)
         self.graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.graph_safe:
             graphs = DecodeGraphs(self, self.capacity.graph_max_batch)
             graphs.capture()
             self.graphs = graphs
 
-    def _prepare(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor, list[SeqStep]]:
-        """The step's ForwardBatch (after its slot-table writes), input ids and steps."""
+    def _prepare(
+        self, plan: StepPlan
+    ) -> tuple[ForwardBatch, torch.Tensor, list[SeqStep], StepMethods]:
+        """The step's ForwardBatch (after its slot-table writes), input ids, steps and
+        the methods of its rows."""
         steps = [
             SeqStep(*fields)
             for fields in zip(
                 plan.seq_ids, range(plan.num_seqs), plan.starts, plan.num_new, plan.num_prompt
             )
         ]
-        score_rows = [self.method.score_rows(st) for st in steps]
-        t = self._upload(plan, score_rows, [int(st.is_decode) for st in steps])
+        methods = self.methods.for_step(steps)
+        score_rows = methods.score_rows(steps)
+        decode = [int(st.is_decode) for st in steps]
+        t = self._upload(plan, score_rows, decode, methods.ids())
         self.tables.apply(plan.writes)
         if plan.writes.deferred:  # the entries left to the device
             q_starts = None if plan.seq_major else t.q_starts
             self.tables.write_new(t.rows, t.view_lens, t.slot_mapping, q_starts)
+        score_layers, row_layers = methods.score_layers()
         batch = ForwardBatch(
             positions=t.positions,
             q_starts=plan.q_starts[:-1],
@@ -347,21 +277,26 @@ class ModelRunner:
                 decode_t=t.decode,
                 kv=self.kv,
                 steps=steps,
-                score_layers=self.method.score_layers,
-                select_views=self.method.select_views,
+                score_layers=score_layers,
+                owners=list(methods.rows) if methods.mixed else None,
+                row_score_layers=row_layers,
+                method_ids_t=t.methods,
+                select_views=methods.select_views(t.methods),
             ),
         )
-        self.method.begin_step(batch)
-        return batch, t.input_ids, steps
+        methods.begin_step(batch)
+        return batch, t.input_ids, steps, methods
 
-    def _upload(self, plan: StepPlan, score_rows: list[int], decode: list[int]) -> _StepTensors:
+    def _upload(
+        self, plan: StepPlan, score_rows: list[int], decode: list[int], method_ids: list[int]
+    ) -> _StepTensors:
         """Every per-step integer in one host-to-device copy, split on the device."""
         positions = chain.from_iterable(range(a, a + n) for a, n in zip(plan.starts, plan.num_new))
         logits_rows = [plan.q_starts[i + 1] - 1 for i in plan.sample_rows]
         parts = [plan.input_ids, list(positions), logits_rows, plan.rows, plan.q_starts]
-        parts += [score_rows, decode, plan.slots, plan.flat_lens]
+        parts += [score_rows, decode, method_ids, plan.slots, plan.flat_lens]
         packed = upload(list(chain.from_iterable(parts)), torch.long, self.device)
-        ids, pos, logits, rows, q_starts, scores, dec, slots, lens = torch.split(
+        ids, pos, logits, rows, q_starts, scores, dec, mids, slots, lens = torch.split(
             packed, [len(p) for p in parts]
         )
         groups, num_seqs = self.pool.num_groups, plan.num_seqs
@@ -379,6 +314,7 @@ class ModelRunner:
             q_starts.int(),
             scores.int(),
             dec.bool(),
+            mids.int(),
             slot_mapping,
             view_lens,
         )
@@ -394,5 +330,6 @@ class _StepTensors(NamedTuple):
     q_starts: torch.Tensor  # [S + 1] int32
     score_rows: torch.Tensor  # [S] int32
     decode: torch.Tensor  # [S] bool
+    methods: torch.Tensor  # [S] int32: each row's method id (MethodSet.method_id)
     slot_mapping: torch.Tensor  # [G, T]
     view_lens: torch.Tensor  # [G, S] int32

@@ -152,7 +152,9 @@ class Scheduler:
 
     def _is_long(self, seq: Sequence) -> bool:
         limit = self.solo_prefill_threshold
-        return limit is not None and seq.num_uncomputed_tokens > limit
+        if limit is None or (seq.method is not None and not seq.method.solo_prefill):
+            return False  # its method prefills every prompt in chunks
+        return seq.num_uncomputed_tokens > limit
 
     def _schedule_solo(self, out: SchedulerOutput) -> bool:
         """Run a long waiting prefill alone and in full, once its slots are free."""

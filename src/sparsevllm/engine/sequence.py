@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sparsevllm.sampling import SamplingParams
+from sparsevllm.sparse.choice import MethodChoice
 
 if TYPE_CHECKING:
     from sparsevllm.engine.structured import GrammarState
@@ -61,6 +62,7 @@ class Sequence:
     chain_status: str | None = None
     parked: bool = False  # finished, its state kept as an idle chain
     grammar: GrammarState | None = None  # structured outputs: advanced with each token
+    method: MethodChoice | None = None  # the sparse method serving it (None: the engine's)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property

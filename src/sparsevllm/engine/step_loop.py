@@ -226,7 +226,7 @@ class StepLoop:
             return None
         if sch.waiting and len(sch.running) < sch.max_num_seqs:
             return None  # a request may be admitted at the next step: schedule it then
-        if self.runner.method.evicts_during_decode:
+        if self.runner.methods.evicts_during_decode([s.seq_id for s in sch.running]):
             return None
         if self.pool.windows and sch.store is not None and sch.store.parks_views:
             return None  # a parked view's window would lack the entry step N+1 trimmed

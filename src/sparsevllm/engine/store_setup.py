@@ -43,7 +43,7 @@ def build_store(
     if config.prefix_cache_mode == "radix":
         store = RadixStore(pool, pruner, build_tiers(config, source, runner, pool, "radix"))
     else:
-        state = ChainDeviceState(runner.kv, runner.method, pool.num_groups)
+        state = ChainDeviceState(runner.kv, runner.methods, pool.num_groups)
         tiers = build_tiers(config, source, runner, pool, "chain", state)
         store = ChainStore(pool, pruner, runner.release, new_owner, tiers)
     pool.reclaimer = store

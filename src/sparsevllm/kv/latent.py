@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.kv.format import KVFormat, KVStorage, kv_zeros
-from sparsevllm.kv.layout import KVLayout
+from sparsevllm.kv.layout import SlotLayout
 from sparsevllm.kv.scaled import dequantize, quantize
 
 
@@ -23,7 +23,7 @@ class LatentStorage(KVStorage):
         self,
         fmt: KVFormat,
         num_slots: int,
-        layout: KVLayout,
+        layout: SlotLayout,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:

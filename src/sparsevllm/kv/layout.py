@@ -1,6 +1,6 @@
 """What one token of one layer stores, as the model asks for it (torch-free).
 
-The runner asks the model for its `KVLayout` (a model module's `kv_layout()`; the
+The runner asks the model for its `SlotLayout` (a model module's `slot_layout()`; the
 attention families without one store K and V per KV head) and sizes and builds every
 layer's storage from it; sparse methods are told the layout's name and may refuse one.
 
@@ -23,7 +23,7 @@ LAYOUT_NAMES: tuple[str, ...] = (GQA, MLA_LATENT)
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class SlotLayout:
     """A layer's per-token KV: `num_kv_heads` heads with keys of `head_dim` values and
     values of `value_dim`; `shared_kv`: the value is the first `value_dim` entries of the
     key row (one stored buffer, MLA), else a buffer of its own."""
@@ -36,9 +36,11 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         if self.name not in LAYOUT_NAMES:
-            raise ValueError(f"unknown KV layout {self.name!r} (known: {', '.join(LAYOUT_NAMES)})")
+            raise ValueError(
+                f"unknown slot layout {self.name!r} (known: {', '.join(LAYOUT_NAMES)})"
+            )
         if min(self.num_kv_heads, self.head_dim, self.value_dim) < 1:
-            raise ValueError(f"a KV layout needs positive sizes, got {self}")
+            raise ValueError(f"a slot layout needs positive sizes, got {self}")
         if self.shared_kv and self.value_dim > self.head_dim:
             raise ValueError("a shared value is a prefix of the key row: value_dim <= head_dim")
         if not self.shared_kv and self.value_dim != self.head_dim:
@@ -51,10 +53,10 @@ class KVLayout:
         return 2 * self.num_kv_heads * self.head_dim * element_size
 
 
-def gqa_layout(num_kv_heads: int, head_dim: int) -> KVLayout:
-    return KVLayout(GQA, num_kv_heads, head_dim, head_dim)
+def gqa_layout(num_kv_heads: int, head_dim: int) -> SlotLayout:
+    return SlotLayout(GQA, num_kv_heads, head_dim, head_dim)
 
 
-def latent_layout(kv_lora_rank: int, rope_dim: int) -> KVLayout:
+def latent_layout(kv_lora_rank: int, rope_dim: int) -> SlotLayout:
     """MLA: one `[c_kv, k_pe]` row of `kv_lora_rank + rope_dim` values per token."""
-    return KVLayout(MLA_LATENT, 1, kv_lora_rank + rope_dim, kv_lora_rank, shared_kv=True)
+    return SlotLayout(MLA_LATENT, 1, kv_lora_rank + rope_dim, kv_lora_rank, shared_kv=True)

@@ -7,7 +7,7 @@ import torch
 from sparsevllm.kv.dense import MODEL_DTYPE
 from sparsevllm.kv.format import KVFormat, KVStorage
 from sparsevllm.kv.latent import LatentStorage
-from sparsevllm.kv.layout import KVLayout
+from sparsevllm.kv.layout import SlotLayout
 from sparsevllm.kv.names import FORMAT_NAMES, check_format_name
 from sparsevllm.kv.scaled import FP8_E4M3, INT8
 
@@ -37,7 +37,7 @@ def check_device(fmt: KVFormat, device: torch.device) -> None:
 
 
 def create_storage(
-    fmt: KVFormat, num_slots: int, layout: KVLayout, dtype: torch.dtype, device: torch.device
+    fmt: KVFormat, num_slots: int, layout: SlotLayout, dtype: torch.dtype, device: torch.device
 ) -> KVStorage:
     """One layer's storage of `layout` in `fmt`: per-head K and V, or one latent row."""
     if layout.shared_kv:
@@ -45,7 +45,7 @@ def create_storage(
     return fmt.create(num_slots, layout.num_kv_heads, layout.head_dim, dtype, device)
 
 
-def layer_bytes(fmt: KVFormat, layout: KVLayout, model_dtype: torch.dtype) -> int:
+def layer_bytes(fmt: KVFormat, layout: SlotLayout, model_dtype: torch.dtype) -> int:
     """Bytes of one token at one layer of `layout` stored in `fmt`, scales included."""
     if not layout.shared_kv:
         return fmt.bytes_per_slot(layout.num_kv_heads, layout.head_dim, model_dtype)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from sparsevllm.attention.backend import ForwardBatch
-from sparsevllm.kv.layout import KVLayout, latent_layout
+from sparsevllm.kv.layout import SlotLayout, latent_layout
 from sparsevllm.layers.linear import Projections
 from sparsevllm.layers.norm import RMSNorm
 from sparsevllm.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
@@ -42,7 +42,7 @@ from sparsevllm.layers.rotary import RotaryEmbedding, rope_parameters, yarn_msca
 LATENT_NORM_EPS = 1e-6
 
 
-def mla_layout(config: Any) -> KVLayout:
+def mla_layout(config: Any) -> SlotLayout:
     return latent_layout(config.kv_lora_rank, config.qk_rope_head_dim)
 
 

@@ -5,7 +5,7 @@ Following transformers' `modeling_deepseek_v3.py` and `modeling_glm4_moe_lite.py
 which define the same network with two config classes:
 
 - attention: MLA (`layers/mla.py`); the KV cache holds one latent row per token and
-  layer (`kv_layout`), not per-head K and V;
+  layer (`slot_layout`), not per-head K and V;
 - feed-forward: layer i is a dense gated MLP of `intermediate_size` when
   `mlp_layer_types[i] == "dense"` (GLM) or `i < first_k_dense_replace` (DeepSeek),
   else `n_routed_experts` routed experts of `moe_intermediate_size` with sigmoid,
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from sparsevllm.attention.backend import ForwardBatch
-from sparsevllm.kv.layout import KVLayout
+from sparsevllm.kv.layout import SlotLayout
 from sparsevllm.layers.mla import MLAAttention, mla_layout
 from sparsevllm.layers.mlp import GatedMLP
 from sparsevllm.layers.moe_shared import GroupRouting, SharedExpertsMoeBlock
@@ -124,7 +124,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if rope_parameters(config).get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("MLA rotates all qk_rope_head_dim channels: partial_rotary_factor 1")
 
-    def kv_layout(self) -> KVLayout:
+    def slot_layout(self) -> SlotLayout:
         """One `[c_kv, k_pe]` row per token and layer (the runner sizes the pool by it)."""
         return mla_layout(self.config)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from sparsevllm.kv.layout import KVLayout, gqa_layout
+from sparsevllm.kv.layout import SlotLayout, gqa_layout
 
 # architecture -> "module:Class"; imported lazily.
 _MODELS: dict[str, str] = {
@@ -55,12 +55,12 @@ def model_class_for(config: Any) -> type[nn.Module]:
     )
 
 
-def kv_layout_of(model: nn.Module, config: Any) -> KVLayout:
-    """What one token of one layer stores: the model's own `kv_layout()` (MLA's latent
+def slot_layout_of(model: nn.Module, config: Any) -> SlotLayout:
+    """What one token of one layer stores: the model's own `slot_layout()` (MLA's latent
     row), else K and V per KV head of the config's attention."""
-    own = getattr(model, "kv_layout", None)
+    own = getattr(model, "slot_layout", None)
     if own is not None:
-        layout: KVLayout = own()
+        layout: SlotLayout = own()
         return layout
     from sparsevllm.models.llama import head_dim_of
 

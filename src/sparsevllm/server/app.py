@@ -260,6 +260,8 @@ def _model_card(ctx: ServingContext) -> dict[str, Any]:
         "root": ctx.engine.config.model or ctx.model_name,
         "max_model_len": ctx.max_model_len,
         "sparse_method": ctx.engine.config.sparse_method,
+        # Every method a request may choose (`sparse_method` in a request body).
+        "sparse_methods": list(ctx.engine.config.served_methods),
     }
 
 

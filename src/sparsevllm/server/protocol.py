@@ -61,7 +61,32 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool | None = False  # accepted for vLLM clients; ignored
 
 
-class SamplingFields(StrictModel):
+# A sparse-method setting's value in a request (the method's knob types; a tuple knob
+# as a list of integers).
+KnobValue = int | float | bool | str | list[Annotated[int, Field(ge=0)]]
+
+
+class SparseFields(StrictModel):
+    """The request's KV sparsity: a method among those the engine serves and its budget
+    (`SamplingParams.sparse_method`, `kv_budget`, `min_accuracy`, `sparse_knobs`)."""
+
+    sparse_method: str | None = Field(None, min_length=1, max_length=64)
+    kv_budget: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    min_accuracy: float | None = Field(None, gt=0.0, le=1.0)
+    sparse_knobs: dict[str, KnobValue] | None = Field(None, max_length=64)
+
+    def sparse_values(self) -> dict[str, Any]:
+        """The fields as SamplingParams keyword arguments (unset ones left out)."""
+        values = {
+            "sparse_method": self.sparse_method,
+            "kv_budget": self.kv_budget,
+            "min_accuracy": self.min_accuracy,
+            "sparse_knobs": self.sparse_knobs,
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+
+class SamplingFields(SparseFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -140,6 +165,7 @@ class SamplingFields(StrictModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
             "structured_outputs": self.structured().params,
+            **self.sparse_values(),
         }
         given = {k: v for k, v in values.items() if v is not None}
         try:

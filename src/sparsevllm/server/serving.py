@@ -142,6 +142,8 @@ class ServingContext:
             if e.param == "structured_outputs":  # the constraint did not compile
                 param = structured_param or e.param
                 message = f"{param}: {message}"
+            elif e.param is not None:  # e.g. the request's sparse_method or kv_budget
+                param = e.param
             raise bad_request(message, param=param) from None
         except EngineClosed as e:
             raise APIError(503, str(e), type="service_unavailable") from None

@@ -134,12 +134,13 @@ class AdaKV(SnapKV):
         self, layer: int, q: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         group = batch.group_of_layer[layer]
-        picks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        for i, step in enumerate(batch.sparse.steps):
+        picks: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batch.q_lens)
+        for step in batch.sparse.own_steps(self):
+            i = step.row
             rows = self._rows.get(step.seq_id, {}).get(layer)
             context = batch.view_lens[group][i] - 1  # the view minus the new token
             ok = rows is not None and batch.q_lens[i] == 1 and context >= rows.width
-            picks.append(rows.positions(context) if ok and rows is not None else None)
+            picks[i] = rows.positions(context) if ok and rows is not None else None
         if all(p is None for p in picks):
             return None
         width = max(p[0].shape[1] for p in picks if p is not None)

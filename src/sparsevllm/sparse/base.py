@@ -167,6 +167,11 @@ class SparseMethod:
     # decoding): the engine then never schedules a step ahead (engine/step_loop.py).
     evicts_during_decode: ClassVar[bool] = False
     score_layers: frozenset[int] | None = None  # None: every layer reports scores
+    # Whether the method still works when the pool keeps one slot table per layer
+    # although its own groups are coarser (an engine serving it beside per-layer
+    # methods): its `keep` then applies to each pool group of its group. False for a
+    # method whose state is keyed by the slot ids of one layer standing for its group.
+    finer_groups_ok: ClassVar[bool] = True
 
     knobs: MethodKnobs  # the method's own knobs dataclass (validated with the config)
 
@@ -267,11 +272,14 @@ class SparseMethod:
         """Batched `select_view` (see the module docstring): q `[S, Hq, D]` is each
         sequence's last query; rows with several new queries are ignored by backends.
         Returns (subset `[S, Hkv, B]` int32, lens `[S]` or `[S, Hkv]` int32) or None (all
-        read all)."""
-        picks = [
-            self.select_view(layer, i, q[i], batch) if batch.q_lens[i] == 1 else None
-            for i in range(len(batch.q_lens))
-        ]
+        read all). In a batch that mixes methods, only the rows of
+        `batch.sparse.own_steps(self)` are this method's: the others' results are
+        ignored (a batched override may compute them, but must not keep state for
+        sequences it does not serve)."""
+        picks: list[torch.Tensor | None] = [None] * len(batch.q_lens)
+        for step in batch.sparse.own_steps(self):
+            if batch.q_lens[step.row] == 1:
+                picks[step.row] = self.select_view(layer, step.row, q[step.row], batch)
         if all(p is None for p in picks):
             return None
         return pack_views(picks, self.num_kv_heads, q.device)

@@ -106,7 +106,11 @@ class OmniKV(SparseMethod):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Host lists only: a step where nobody decodes (or a full layer) reads everything.
         sparse = batch.sparse
-        if layer in self.score_layers or not any(sparse.score_rows):
+        # (A captured graph's rows are padding for any later step: they all ask.)
+        asking = sparse.score_rows
+        if sparse.owners is not None:
+            asking = [sparse.score_rows[st.row] for st in sparse.own_steps(self)]
+        if layer in self.score_layers or not any(asking):
             return None
         source = max(f for f in self.full_layers if f < layer)
         if source not in self._picks:  # the picks of a full layer serve all its followers

@@ -44,6 +44,8 @@ class Quest(SparseMethod):
     # select_views is sync-free with config/shape-sized outputs and reads the page pool
     # and table, allocated before capture; a pool that grows bumps graph_epoch.
     decode_views = DecodeViews.GRAPH
+    # Pages are keyed by the slot ids of the first sparse layer, standing for all.
+    finer_groups_ok = False
 
     def __init__(
         self,
@@ -74,7 +76,8 @@ class Quest(SparseMethod):
         size, budget = self.knobs.quest_chunk_size, self.config.decode_keep_tokens
         group = batch.group_of_layer[self.pages.layers[0]]
         need: list[tuple[int, int, int]] = []  # (seq_id, table row, full pages) past budget
-        for i, step in enumerate(batch.sparse.steps):
+        for step in batch.sparse.own_steps(self):
+            i = step.row
             context = batch.view_lens[group][i] - 1
             if step.is_decode and batch.q_lens[i] == 1 and context > budget:
                 need.append((step.seq_id, batch.rows[i], context // size))

@@ -220,23 +220,23 @@ def create_method(
     num_layers: int,
     num_kv_heads: int,
     layers: list[int] | None = None,
-    kv_layout: str = GQA,
+    slot_layout: str = GQA,
 ) -> SparseMethod:
     """Instantiate the configured method over `layers` (default: every layer) of a model
-    whose KV has layout `kv_layout` (kv/layout.py)."""
+    whose slots have layout `slot_layout` (kv/layout.py)."""
     spec = method_spec(config.sparse_method)
-    check_layout(spec, kv_layout)
+    check_slot_layout(spec, slot_layout)
     return spec.method(config, num_layers, num_kv_heads, layers)
 
 
-def check_layout(spec: MethodSpec, kv_layout: str) -> None:
-    """Raise a ValueError with the method's reason when it cannot serve `kv_layout`."""
-    reason = spec.refused_layouts.get(kv_layout)
+def check_slot_layout(spec: MethodSpec, slot_layout: str) -> None:
+    """Raise a ValueError with the method's reason when it cannot serve `slot_layout`."""
+    reason = spec.refused_layouts.get(slot_layout)
     if reason is None:
         return
-    usable = [s.name for s in all_specs() if kv_layout not in s.refused_layouts]
+    usable = [s.name for s in all_specs() if slot_layout not in s.refused_layouts]
     raise ValueError(
-        f"sparse_method {spec.name!r} cannot serve this model's {kv_layout} KV cache: "
+        f"sparse_method {spec.name!r} cannot serve this model's {slot_layout} KV cache: "
         f"{reason} (methods that can: {', '.join(usable)})"
     )
 
@@ -260,7 +260,7 @@ def methods_table() -> list[dict[str, object]]:
                 "decode_views": s.decode_views.value,
                 "prune": s.prune_scorer is not None,
                 "kv_formats": list(FORMAT_NAMES if s.kv_formats is None else s.kv_formats),
-                "kv_layouts": [n for n in LAYOUT_NAMES if n not in s.refused_layouts],
+                "slot_layouts": [n for n in LAYOUT_NAMES if n not in s.refused_layouts],
                 "description": s.description,
             }
         )

@@ -152,7 +152,7 @@ class MethodSpec:
       as the scorer of `LLM.prune` (None: it cannot).
     - `kv_formats`: the `kv_cache_dtype` names whose storage the method can serve
       (None: every format; a method that reads stored bytes itself would list its own).
-    - `refused_layouts`: KV layouts (kv/layout.py: `gqa`, `mla_latent`) the method cannot
+    - `refused_layouts`: slot layouts (kv/layout.py: `gqa`, `mla_latent`) the method cannot
       serve, each with the reason; the engine refuses the method on such a model.
 
     How the method uses decode views (`decode_views`) is read from its class, which

@@ -1,8 +1,9 @@
 """What an idle chain keeps on the device besides its KV rows, for its disk file.
 
-A chain's sequence id owns two more pieces of state: the logical position of every view
-entry once its method evicted (`ViewPositions`), and the method's own per-sequence
-state (H2O's cumulative scores, for example). The host tier leaves both in place; a
+A chain's sequence id owns three more pieces of state: the logical position of every
+view entry once its method evicted (`ViewPositions`), the method choice that serves it
+(`MethodSet`), and the method's own per-sequence state (H2O's cumulative scores, for
+example). The host tier leaves both in place; a
 disk file carries them (`EntryState`), so that a later engine continues the chain
 exactly as this one would.
 """
@@ -15,15 +16,15 @@ import torch
 
 from sparsevllm.engine.cache.kv_rows import StatePayload
 from sparsevllm.engine.kv_access import RunnerKV
-from sparsevllm.sparse.base import SparseMethod
+from sparsevllm.engine.method_set import MethodSet
 
 
 class ChainDeviceState:
     """`EntryState` of chains: entries keyed by their owner sequence id."""
 
-    def __init__(self, kv: RunnerKV, method: SparseMethod, num_groups: int) -> None:
+    def __init__(self, kv: RunnerKV, methods: MethodSet, num_groups: int) -> None:
         self.kv = kv
-        self.method = method
+        self.methods = methods
         self.num_groups = num_groups
 
     def export(self, key: int) -> StatePayload:
@@ -31,7 +32,8 @@ class ChainDeviceState:
         return {
             "positions": [None if rec is None else rec[0] for rec in records],
             "next_pos": [-1 if rec is None else rec[1] for rec in records],
-            "method_state": self.method.export_state(key),
+            "method": self.methods.choice_of(key).key,
+            "method_state": self.methods.of(key).export_state(key),
         }
 
     def load(self, key: int, state: StatePayload) -> None:
@@ -39,9 +41,10 @@ class ChainDeviceState:
         next_pos = cast(list[int], state["next_pos"])
         records = [None if kept is None else (kept, n) for kept, n in zip(positions, next_pos)]
         self.kv.positions.load(key, records)
+        self.methods.bind(key, self.methods.from_key(cast(str, state["method"])))
         method_state = cast(dict[str, torch.Tensor], state["method_state"])
-        self.method.import_state(key, method_state, self.kv.device)
+        self.methods.of(key).import_state(key, method_state, self.kv.device)
 
     def release(self, key: int) -> None:
-        self.method.release(key)
+        self.methods.release(key)
         self.kv.forget(key)

@@ -68,8 +68,8 @@ class ChainStore:
         self.release_state(owner)
 
     # -- requests -----------------------------------------------------------------------
-    def claim(self, tokens: list[int], chain_id: str | None) -> Claim:
-        chain, status = self.chains.acquire(tokens, chain_id)
+    def claim(self, tokens: list[int], chain_id: str | None, method: str | None = None) -> Claim:
+        chain, status = self.chains.acquire(tokens, chain_id, method)
         if chain is None:
             return Claim(None, chain_id or self.chains.new_id(), status, 0)
         return Claim(chain.owner, chain.chain_id, status, len(chain.tokens))
@@ -83,7 +83,9 @@ class ChainStore:
         if seq.chain_id is None:
             raise RuntimeError(f"sequence {seq.seq_id} finished without a claimed chain id")
         tokens = seq.token_slice(0, seq.num_computed_tokens)
-        if self.chains.park(seq.chain_id, seq.seq_id, tokens, *self._footprint(seq.seq_id)):
+        method = seq.method.key if seq.method is not None else None
+        footprint = self._footprint(seq.seq_id)
+        if self.chains.park(seq.chain_id, seq.seq_id, tokens, *footprint, method=method):
             return True  # the method keeps its per-sequence state for the chain
         # Another request extends a chain of this id (it named the id too, or continued
         # the chain parked under it meanwhile): that writer keeps it, this turn's state goes.

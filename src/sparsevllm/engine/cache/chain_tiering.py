@@ -51,7 +51,7 @@ class ChainTiering:
     # -- TierClient ---------------------------------------------------------------------
     def describe(self, key: int) -> DiskRecord:
         chain = self._chain(key)
-        return DiskRecord(chain.chain_id, list(chain.tokens))
+        return DiskRecord(chain.chain_id, list(chain.tokens), {"method": chain.method})
 
     def allocate(self, key: int, counts: list[int]) -> list[list[int]]:
         self.pool.append_per_group(key, counts)
@@ -78,5 +78,7 @@ class ChainTiering:
             owner = new_owner()
             self.tiers.register(owner, entry)
             main = entry.counts[: self.pool.num_main_groups]
-            self.chains.adopt(entry.name, owner, entry.tokens, main, DISK)
+            method = entry.meta.get("method")
+            method = method if isinstance(method, str) else None
+            self.chains.adopt(entry.name, owner, entry.tokens, main, DISK, method)
         return len(saved)

@@ -31,6 +31,9 @@ class Chain:
     reclaim: int
     busy: bool = False
     last_used: int = 0
+    # The sparse-method choice (`MethodChoice.key`) whose state it is; a request of
+    # another choice does not continue it. None: the engine's only method.
+    method: str | None = None
     tier: str | None = None  # "CPU" or "disk": its KV lives in that tier; no slots held
 
     @property
@@ -63,15 +66,18 @@ class ChainCache:
                 return chain_id
 
     # -- lookup -------------------------------------------------------------------------
-    def acquire(self, tokens: list[int], chain_id: str | None) -> tuple[Chain | None, str]:
-        """Find the chain a request continues and mark it busy.
+    def acquire(
+        self, tokens: list[int], chain_id: str | None, method: str | None = None
+    ) -> tuple[Chain | None, str]:
+        """Find the chain a request of method choice `method` continues and mark it busy.
 
         Returns (chain or None, status). Status is `continued`, `new`, `not_found` (an
         explicit id that is unknown, e.g. reclaimed) or `diverged: ...` (the explicit
-        chain was dropped because the request does not extend its tokens).
+        chain was dropped because the request does not extend its tokens). A named chain
+        of another method choice raises ValueError (it stays as it is).
         """
         if chain_id is None:
-            chain = self._longest_idle_prefix(tokens)
+            chain = self._longest_idle_prefix(tokens, method)
             if chain is None:
                 return None, "new"
         else:
@@ -80,6 +86,12 @@ class ChainCache:
                 return None, "not_found"
             if chain.busy:
                 raise ChainBusyError(f"chain {chain_id!r} is busy: another request is extending it")
+            if chain.method != method:
+                raise ValueError(
+                    f"chain {chain_id!r} holds the state of another sparse method choice "
+                    f"({chain.method}); continue it with that method and settings, or "
+                    "start a new chain"
+                )
             at = _divergence(chain.tokens, tokens)
             if at is not None:
                 self.drop(chain)
@@ -107,10 +119,12 @@ class ChainCache:
             chain.tier = None
         return True
 
-    def _longest_idle_prefix(self, tokens: list[int]) -> Chain | None:
+    def _longest_idle_prefix(self, tokens: list[int], method: str | None) -> Chain | None:
         best = None
         for chain in self.chains.values():
-            if chain.busy or _divergence(chain.tokens, tokens) is not None:
+            if chain.busy or chain.method != method:
+                continue
+            if _divergence(chain.tokens, tokens) is not None:
                 continue
             if best is None or len(chain.tokens) > len(best.tokens):
                 best = chain
@@ -118,7 +132,13 @@ class ChainCache:
 
     # -- life cycle ---------------------------------------------------------------------
     def park(
-        self, chain_id: str, owner: int, tokens: list[int], resident: int, reclaim: int
+        self,
+        chain_id: str,
+        owner: int,
+        tokens: list[int],
+        resident: int,
+        reclaim: int,
+        method: str | None = None,
     ) -> bool:
         """A turn ended: keep its state as the idle chain `chain_id`, replacing an idle
         chain of that id. False (nothing kept) when another running request extends a
@@ -129,12 +149,24 @@ class ChainCache:
                 return False
             self.drop(old)
         self.chains[chain_id] = Chain(
-            chain_id, owner, list(tokens), resident, reclaim, last_used=next(self._clock)
+            chain_id,
+            owner,
+            list(tokens),
+            resident,
+            reclaim,
+            last_used=next(self._clock),
+            method=method,
         )
         return True
 
     def adopt(
-        self, chain_id: str, owner: int, tokens: list[int], counts: list[int], tier: str
+        self,
+        chain_id: str,
+        owner: int,
+        tokens: list[int],
+        counts: list[int],
+        tier: str,
+        method: str | None = None,
     ) -> None:
         """Register an offloaded chain saved by an earlier engine (newest last);
         `counts`: its rows per main layer group."""
@@ -146,6 +178,7 @@ class ChainCache:
             min(counts),
             last_used=next(self._clock),
             tier=tier,
+            method=method,
         )
 
     def by_owner(self, owner: int) -> Chain | None:

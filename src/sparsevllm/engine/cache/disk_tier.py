@@ -77,6 +77,8 @@ def kv_fingerprint(
         "layer_groups": layer_groups,
         "sparse_method": config.sparse_method,
         "knobs": method.knob_values(),
+        # Chains of every served method may be saved: each file names its choice.
+        "sparse_methods": list(config.sparse_methods),
     }
 
 

@@ -51,8 +51,10 @@ class RadixStore:
         return self._locked.get(seq_id)
 
     # -- requests -----------------------------------------------------------------------
-    def claim(self, tokens: list[int], chain_id: str | None) -> Claim:
-        return NO_CLAIM  # no named state: a prefix is matched when the request is admitted
+    def claim(self, tokens: list[int], chain_id: str | None, method: str | None = None) -> Claim:
+        # No named state: a prefix is matched when the request is admitted. Every method
+        # the radix cache serves stores a plain prefix, so any of them may reuse it.
+        return NO_CLAIM
 
     def match_and_lock(self, seq: Sequence, reserve: int) -> int:
         # At least one token must be computed: its logits give the next token.

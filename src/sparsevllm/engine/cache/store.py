@@ -202,12 +202,14 @@ class PrefixStore(Protocol):
     included (sliding-window groups too): then a step scheduled ahead must not trim a
     view the store is about to keep."""
 
-    def claim(self, tokens: list[int], chain_id: str | None) -> Claim:
+    def claim(self, tokens: list[int], chain_id: str | None, method: str | None = None) -> Claim:
         """A request with prompt `tokens` is being added (optionally naming the chain
-        `chain_id` it continues). Returns what it continues: the sequence id to run it
-        under (`owner`, whose state it takes over), its chain and status, and how many
-        tokens are cached. Raises ChainBusyError when the named state is in use. A
-        store without named state returns `NO_CLAIM`."""
+        `chain_id` it continues), served by the sparse-method choice `method`
+        (`MethodChoice.key`; state built by another choice is not continued). Returns
+        what it continues: the sequence id to run it under (`owner`, whose state it takes
+        over), its chain and status, and how many tokens are cached. Raises
+        ChainBusyError when the named state is in use, ValueError when it was built by
+        another method choice. A store without named state returns `NO_CLAIM`."""
 
     def match_and_lock(self, seq: Sequence, reserve: int) -> int:
         """The scheduler admits `seq`, which holds no KV yet: lend it the longest cached

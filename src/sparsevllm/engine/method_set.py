@@ -1,0 +1,388 @@
+"""The sparse methods an engine serves: one instance per request choice, and the host's
+questions about a batch whose rows may belong to different methods.
+
+Each distinct `MethodChoice` (a method with its settings, `sparse/choice.py`) gets one
+`SparseMethod` instance, created on first use; every sequence is bound to the instance
+of its choice for its life (preemptions included; an idle chain keeps it). The pool's
+layer groups are the methods' common layout: when the served methods differ (one slot
+table for every layer against one per layer), the finer layout serves all of them, and
+a method whose groups are coarser sees its own groups through `GroupedKV`.
+
+A step with one method (the common case) runs exactly as a single-method engine does;
+`StepMethods` answers for a mixed one: each row's score requests, each method's
+`begin_step` / `after_step` over its own rows, and the decode views merged by row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from sparsevllm.attention.backend import ForwardBatch
+from sparsevllm.attention.sparse_step import SelectViews
+from sparsevllm.engine.kv_access import RunnerKV
+from sparsevllm.kv.layout import GQA
+from sparsevllm.sparse.base import KVAccess, RowScores, SeqStep, SparseMethod
+from sparsevllm.sparse.choice import MethodChoice, choice_from_key, resolve_choice
+from sparsevllm.sparse.registry import create_method
+from sparsevllm.sparse.spec import DecodeViews
+
+logger = logging.getLogger(__name__)
+
+# Instances of request choices no sequence uses any more are dropped past this many
+# (the served methods' own instances always stay).
+_MAX_INSTANCES = 32
+
+
+class MethodSet:
+    """Every method instance of the engine and the choice each sequence was bound to."""
+
+    def __init__(
+        self,
+        choices: dict[str, MethodChoice],
+        default_method: str,
+        num_layers: int,
+        num_kv_heads: int,
+        layers: list[int] | None,
+        slot_layout: str = GQA,
+    ) -> None:
+        self.choices = choices  # each served method with the engine's settings
+        self.default_method = default_method
+        self._shape = (num_layers, num_kv_heads, layers)
+        self._slot_layout = slot_layout  # kv/layout.py: a method may refuse the model's
+        self._by_key: dict[str, SparseMethod] = {}
+        self._ids: dict[int, int] = {}  # id(instance) -> stable small id (device masks)
+        self._choice: dict[int, MethodChoice] = {}  # id(instance) -> its choice
+        self._seq: dict[int, SparseMethod] = {}
+        self._users: Counter[str] = Counter()
+        self._pinned = {c.key for c in choices.values()}
+        self._kv: dict[int, KVAccess] = {}
+        self._runner_kv: RunnerKV | None = None
+        self._layout: list[list[int]] | None = None  # set once the served methods exist
+        served = [self.instance(c) for c in choices.values()]
+        self.default = served[0]
+        self._layout = common_layout(served)
+
+    @property
+    def layout(self) -> list[list[int]]:
+        """The pool's main layer groups: the served methods' common layout."""
+        if self._layout is None:
+            raise RuntimeError("the layout is known once the served methods exist")
+        return self._layout
+
+    # -- instances and bindings -----------------------------------------------------
+    def resolve(
+        self,
+        method: str | None,
+        settings: dict[str, object] | None = None,
+        kv_budget: int | None = None,
+    ) -> MethodChoice:
+        """A request's choice (see `resolve_choice`); also checks that its method can run
+        on this engine's layer groups."""
+        choice = resolve_choice(self.choices, self.default_method, method, settings, kv_budget)
+        self.instance(choice)
+        return choice
+
+    def from_key(self, key: str) -> MethodChoice:
+        return choice_from_key(self.choices, self.default_method, key)
+
+    def instance(self, choice: MethodChoice) -> SparseMethod:
+        found = self._by_key.get(choice.key)
+        if found is not None:
+            return found
+        num_layers, num_kv_heads, layers = self._shape
+        method = create_method(choice, num_layers, num_kv_heads, layers, self._slot_layout)
+        if self._layout is not None:
+            check_layout(method, self._layout)
+        self._trim()
+        self._by_key[choice.key] = method
+        self._ids[id(method)] = len(self._ids)
+        self._choice[id(method)] = choice
+        if self._runner_kv is not None:
+            self._kv[id(method)] = method_kv(method, self._runner_kv)
+        return method
+
+    def bind(self, seq_id: int, choice: MethodChoice) -> None:
+        """Serve `seq_id` with `choice` until `release(seq_id, unbind=True)`."""
+        old = self._seq.get(seq_id)
+        method = self.instance(choice)
+        if old is method:
+            return
+        if old is not None:
+            raise RuntimeError(f"sequence {seq_id} is bound to another method already")
+        self._seq[seq_id] = method
+        self._users[choice.key] += 1
+
+    def of(self, seq_id: int) -> SparseMethod:
+        """The method serving `seq_id` (the default for a sequence never bound)."""
+        return self._seq.get(seq_id, self.default)
+
+    def choice_of(self, seq_id: int) -> MethodChoice:
+        return self._choice[id(self.of(seq_id))]
+
+    def release(self, seq_id: int, unbind: bool = True) -> None:
+        """Drop the sequence's method state; `unbind=False` keeps its choice (a
+        preempted sequence resumes with the same method)."""
+        method = self.of(seq_id)
+        method.release(seq_id)
+        if unbind and self._seq.pop(seq_id, None) is not None:
+            self._users[self._choice[id(method)].key] -= 1
+
+    def _trim(self) -> None:
+        """Make room for one more instance among those no sequence uses."""
+        unused = [key for key in self._by_key if key not in self._pinned and self._users[key] <= 0]
+        for key in unused[: max(0, len(self._by_key) + 1 - _MAX_INSTANCES)]:
+            method = self._by_key.pop(key)
+            method.free_device_memory()
+            self._kv.pop(id(method), None)
+
+    @property
+    def instances(self) -> list[SparseMethod]:
+        return list(self._by_key.values())
+
+    # -- what the runner asks once ----------------------------------------------------
+    def attach(self, kv: RunnerKV) -> None:
+        """The runner's KV access; each method sees its own layer groups through it."""
+        self._runner_kv = kv
+        self._kv = {id(m): method_kv(m, kv) for m in self._by_key.values()}
+
+    def kv_for(self, method: SparseMethod) -> KVAccess:
+        return self._kv[id(method)]
+
+    def state_bytes_per_slot(self, kv_bytes_per_layer_slot: int) -> float:
+        """Method state sized with the pool: the served methods' together."""
+        return sum(
+            self._by_key[c.key].state_bytes_per_slot(kv_bytes_per_layer_slot)
+            for c in self.choices.values()
+        )
+
+    def free_device_memory(self) -> None:
+        for method in self._by_key.values():
+            method.free_device_memory()
+
+    def evicts_during_decode(self, seq_ids: Sequence[int]) -> bool:
+        return any(self.of(s).evicts_during_decode for s in seq_ids)
+
+    def method_id(self, method: SparseMethod) -> int:
+        return self._ids[id(method)]
+
+    # -- decode graphs ------------------------------------------------------------------
+    def graph_methods(self) -> list[SparseMethod]:
+        """The instances whose decode views a captured graph computes."""
+        return [m for m in self._by_key.values() if m.decode_views is DecodeViews.GRAPH]
+
+    @property
+    def graph_epoch(self) -> tuple[tuple[int, int], ...]:
+        """Changes when graphs captured before are stale: a graph-view instance was
+        added or dropped, or one reallocated the tensors its views read."""
+        return tuple((self.method_id(m), m.graph_epoch) for m in self.graph_methods())
+
+    def graph_views(self, ids_t: torch.Tensor) -> SelectViews | None:
+        """The decode views a captured graph computes (`ids_t`: its static buffer of each
+        row's method id)."""
+        viewing = self.graph_methods()
+        if not viewing:
+            return None
+        if not self.mixed:
+            return viewing[0].select_views
+        return merged_views([(m, self.method_id(m)) for m in viewing], ids_t)
+
+    def graph_scores(self) -> tuple[int, frozenset[int] | None]:
+        """(score rows, score layers) a captured graph computes for its decode rows: what
+        the graph-view methods ask (the device copy says which rows really want them)."""
+        asking = [m for m in self.graph_methods() if m.decode_score_rows()]
+        if not asking:
+            return 0, self.default.score_layers if not self.mixed else None
+        want = max(m.decode_score_rows() for m in asking)
+        if any(m.score_layers is None for m in asking):
+            return want, None
+        return want, frozenset().union(*(m.score_layers or () for m in asking))
+
+    # -- one step -----------------------------------------------------------------------
+    def for_step(self, steps: list[SeqStep]) -> StepMethods:
+        return StepMethods(self, [self.of(st.seq_id) for st in steps])
+
+    @property
+    def mixed(self) -> bool:
+        """Whether more than one instance exists (batches may mix methods)."""
+        return len(self._by_key) > 1
+
+
+class StepMethods:
+    """The methods of one step's rows."""
+
+    def __init__(self, methods: MethodSet, rows: list[SparseMethod]) -> None:
+        self.set = methods
+        self.rows = rows
+        self.distinct = list({id(m): m for m in rows}.values()) or [methods.default]
+        self.mixed = len(self.distinct) > 1
+
+    @property
+    def only(self) -> SparseMethod:
+        return self.distinct[0]
+
+    def ids(self) -> list[int]:
+        """Each row's method id (the device mask of merged decode views)."""
+        return [self.set.method_id(m) for m in self.rows]
+
+    def score_rows(self, steps: list[SeqStep]) -> list[int]:
+        return [m.score_rows(st) for m, st in zip(self.rows, steps)]
+
+    def score_layers(self) -> tuple[frozenset[int] | None, list[frozenset[int] | None] | None]:
+        """(the step's score layers, per-row score layers in a mixed step)."""
+        if not self.mixed:
+            return self.only.score_layers, None
+        return None, [m.score_layers for m in self.rows]
+
+    def select_views(self, ids_t: torch.Tensor) -> SelectViews | None:
+        """The step's decode views: the method's own, or merged by row (`ids_t` `[S]`:
+        each row's method id on the device)."""
+        if not self.mixed:
+            return self.only.select_views
+        viewing = [m for m in self.distinct if m.decode_views is not DecodeViews.NONE]
+        if not viewing:
+            return None
+        return merged_views([(m, self.set.method_id(m)) for m in viewing], ids_t)
+
+    def begin_step(self, batch: ForwardBatch) -> None:
+        for method in self.distinct:
+            method.begin_step(batch)
+
+    def after_step(self, steps: list[SeqStep], scores: RowScores) -> None:
+        for method in self.distinct:
+            own = [st for m, st in zip(self.rows, steps) if m is method]
+            method.after_step(own, scores, self.set.kv_for(method))
+
+    def graph_ok(self, score_rows: list[int]) -> bool:
+        """Whether a captured decode graph can serve the rows: graph-computed views (they
+        serve their score requests inside the graph), or whole views without scores."""
+        return all(
+            m.decode_views is DecodeViews.GRAPH or (m.decode_views is DecodeViews.NONE and not n)
+            for m, n in zip(self.rows, score_rows)
+        )
+
+
+def merged_views(methods: list[tuple[SparseMethod, int]], ids_t: torch.Tensor) -> SelectViews:
+    """One `select_views` for a batch of several methods: each method's answer for its
+    own rows (`ids_t == id`), whole views (lens -1) for rows of methods without views.
+    Sync-free (a captured decode graph runs it with its static ids buffer)."""
+
+    def select(
+        layer: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        parts = []
+        for method, mid in methods:
+            picked = method.select_views(layer, q, batch)
+            if picked is not None:
+                parts.append((ids_t == mid, picked))
+        if not parts:
+            return None
+        s, hkv = q.shape[0], parts[0][1][0].shape[1]
+        width = max(sub.shape[2] for _, (sub, _) in parts)
+        per_head = any(lens.dim() == 2 for _, (_, lens) in parts)
+        subset = torch.zeros((s, hkv, width), dtype=torch.int32, device=q.device)
+        shape = (s, hkv) if per_head else (s,)
+        lens_out = torch.full(shape, -1, dtype=torch.int32, device=q.device)
+        for mask, (sub, lens) in parts:
+            sub = torch.nn.functional.pad(sub, (0, width - sub.shape[2]))  # [S, Hkv, W]
+            subset = torch.where(mask[:, None, None], sub, subset)
+            if per_head and lens.dim() == 1:
+                lens = lens[:, None].expand(s, hkv)
+            row_mask = mask[:, None] if per_head else mask
+            lens_out = torch.where(row_mask, lens, lens_out)
+        return subset, lens_out
+
+    return select
+
+
+def common_layout(methods: list[SparseMethod]) -> list[list[int]]:
+    """The pool's layer groups for `methods`: theirs when they agree, else one group per
+    managed layer (every method's groups are unions of those)."""
+    layouts = {tuple(tuple(g) for g in m.layer_groups()) for m in methods}
+    if len(layouts) == 1:
+        return [list(g) for g in next(iter(layouts))]
+    layout = [[layer] for layer in methods[0].layers]
+    for method in methods:
+        check_layout(method, layout)
+    return layout
+
+
+def check_layout(method: SparseMethod, layout: list[list[int]]) -> None:
+    """Raise if `method` cannot run on the pool's layer groups."""
+    own = [list(g) for g in method.layer_groups()]
+    if own == layout:
+        return
+    if not method.finer_groups_ok or len(layout) < len(own):
+        raise ValueError(
+            f"{method.name} keeps {len(own)} slot table(s) for its {len(method.layers)} "
+            f"layers and cannot share an engine whose pool keeps {len(layout)} (a method "
+            "that evicts per layer is served beside it); serve it from an engine of its "
+            "own, or beside methods of its layout"
+        )
+
+
+def method_kv(method: SparseMethod, kv: RunnerKV) -> KVAccess:
+    """`kv` as `method` sees it: its own layer groups over the pool's."""
+    own = method.layer_groups()
+    if len(own) == kv.pool.num_main_groups:
+        return kv
+    return GroupedKV(kv, own)
+
+
+class GroupedKV:
+    """`KVAccess` for a method whose layer groups are unions of the pool's: its group g
+    is every pool group of its layers (a `keep` applies to each of them)."""
+
+    def __init__(self, kv: RunnerKV, groups: list[list[int]]) -> None:
+        self.kv = kv
+        self._group_of = {layer: g for g, layers in enumerate(groups) for layer in layers}
+        pool_groups = kv.pool.group_of_layer
+        self._pool_groups = [sorted({pool_groups[la] for la in layers}) for layers in groups]
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.num_kv_heads
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.num_slots
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    def resident(self, seq_id: int, layer: int) -> int:
+        return self.kv.resident(seq_id, layer)
+
+    def view_slots(
+        self, seq_id: int, layer: int, start: int = 0, end: int | None = None
+    ) -> list[int]:
+        return self.kv.view_slots(seq_id, layer, start, end)
+
+    def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return self.kv.gather_keys(layer, slots)
+
+    def group_of(self, layer: int) -> int:
+        return self._group_of[layer]
+
+    def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        return self.kv.keys(seq_id, layer, start, end)
+
+    def values(
+        self, seq_id: int, layer: int, start: int = 0, end: int | None = None
+    ) -> torch.Tensor:
+        return self.kv.values(seq_id, layer, start, end)
+
+    def keep(self, seq_id: int, group: int, positions: list[int]) -> None:
+        for pool_group in self._pool_groups[group]:
+            self.kv.keep(seq_id, pool_group, positions)
+
+    def keep_per_head(self, seq_id: int, layer: int, positions: torch.Tensor) -> None:
+        self.kv.keep_per_head(seq_id, layer, positions)
