@@ -1,4 +1,4 @@
-"""`sparsevllm` command line: generate, methods, serve, bench.
+"""`sparsevllm` command line: generate, methods, serve, bench, calibrate.
 
 Every command checks what it can without a model before loading one; input errors end
 with one line on stderr and exit status 2 (see cli_errors.py for every status).
@@ -14,6 +14,7 @@ import sys
 from typing import NoReturn
 
 from sparsevllm import __version__
+from sparsevllm.cli_calibrate import add_calibrate_parser
 from sparsevllm.cli_errors import (
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
@@ -202,6 +203,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     _add_methods(sub)
     _add_serve(sub)
     _add_bench(sub, with_bench)
+    add_calibrate_parser(sub)
     return parser
 
 
