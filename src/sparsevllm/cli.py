@@ -128,8 +128,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--tool-call-parser",
         choices=defaults.TOOL_CALL_PARSERS,
         default=None,
-        help="Parse the tool calls of chat replies (tool_choice auto) in the model family's "
-        "format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3) or "
+        help="Parse the tool calls of chat and responses replies (tool_choice auto) in the "
+        "model family's format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3) or "
         "llama3_json (a JSON object reply: Llama 3.1-3.3) (default: none; requests with "
         "tools and tool_choice auto are refused, required and named choices still work).",
     )
