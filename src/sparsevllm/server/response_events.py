@@ -148,12 +148,11 @@ async def response_events(
             if out.finished:
                 choice.final = out
             text = choice.text_delta(out)
-            pieces = (
+            reasoning, content = (
                 ("", text)
                 if split is None
                 else split.deltas(out.text[: choice.sent_chars], out.finished)
             )
-            reasoning, content = pieces
             if tools is not None:  # calls come whole with the body, below
                 content, _ = tools.feed(content, out.finished)
             for kind, piece in (("reasoning", reasoning), ("message", content)):
