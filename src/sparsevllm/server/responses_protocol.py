@@ -23,6 +23,7 @@ from sparsevllm.server.errors import APIError, bad_request, from_value_error
 from sparsevllm.server.protocol import (
     MAX_TOOLS,
     FunctionName,
+    SparseFields,
     StrictModel,
     engine_temperature,
     template_message,
@@ -179,7 +180,7 @@ class TextOptions(StrictModel):
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, no effect
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(SparseFields):
     """POST /v1/responses."""
 
     model: str | None = None
@@ -262,6 +263,7 @@ class ResponsesRequest(StrictModel):
             "top_k": self.top_k,
             "seed": self.seed,
             "structured_outputs": self.structured().params,
+            **self.sparse_values(),
         }
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None})
