@@ -1,4 +1,4 @@
-"""`sparsevllm` command line: generate, methods, serve, bench.
+"""`sparsevllm` command line: generate, methods, serve, bench, calibrate.
 
 Every command checks what it can without a model before loading one; input errors end
 with one line on stderr and exit status 2 (see cli_errors.py for every status).
@@ -14,6 +14,7 @@ import sys
 from typing import NoReturn
 
 from sparsevllm import __version__
+from sparsevllm.cli_calibrate import add_calibrate_parser
 from sparsevllm.cli_errors import (
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
@@ -127,8 +128,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--tool-call-parser",
         choices=defaults.TOOL_CALL_PARSERS,
         default=None,
-        help="Parse the tool calls of chat replies (tool_choice auto) in the model family's "
-        "format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3) or "
+        help="Parse the tool calls of chat and responses replies (tool_choice auto) in the "
+        "model family's format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3) or "
         "llama3_json (a JSON object reply: Llama 3.1-3.3) (default: none; requests with "
         "tools and tool_choice auto are refused, required and named choices still work).",
     )
@@ -202,6 +203,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     _add_methods(sub)
     _add_serve(sub)
     _add_bench(sub, with_bench)
+    add_calibrate_parser(sub)
     return parser
 
 

@@ -82,6 +82,9 @@ FIELD_HELP: dict[str, str] = {
     "(default: none; needs prefix caching).",
     "disk_offload_gb": "Size cap (GiB) of the disk tier; the least recently written "
     "entries are dropped to make room.",
+    "calibration_dir": "Directory of calibration files (`sparsevllm calibrate`) where a "
+    'kv_budget "auto" request finds its model\'s measured accuracy per budget (default: the '
+    "committed ones, src/sparsevllm/calibration/data; see docs/calibration.md).",
     "sink_keep_tokens": "Sparse methods: first tokens always kept (attention sinks).",
     "recent_keep_tokens": "Sparse methods: most recent tokens always kept.",
     "decode_keep_tokens": "Sparse methods: KV budget per layer (tokens kept or read), "
@@ -129,6 +132,7 @@ class EngineConfig:
     cpu_offload_gb: float = 0.0
     disk_offload_dir: str | None = None
     disk_offload_gb: float = 8.0
+    calibration_dir: str | None = None
     sink_keep_tokens: int = SHARED_DEFAULTS["sink_keep_tokens"]
     recent_keep_tokens: int = SHARED_DEFAULTS["recent_keep_tokens"]
     decode_keep_tokens: int = SHARED_DEFAULTS["decode_keep_tokens"]
@@ -160,6 +164,10 @@ class EngineConfig:
         _check_type("enforce_eager", self.enforce_eager, bool)
         if self.async_scheduling is not None:
             _check_type("async_scheduling", self.async_scheduling, bool)
+        if self.calibration_dir is not None:
+            _check_type("calibration_dir", self.calibration_dir, str)
+            if not self.calibration_dir:
+                raise ValueError("calibration_dir must be a directory path (or None)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.chunk_prefill_size > self.max_num_batched_tokens:

@@ -11,9 +11,13 @@ from typing import Any
 import pytest
 
 from sparsevllm.bench.quality import runner, string_match_all
+from sparsevllm.bench.quality.calibrate import build_calibration
 from sparsevllm.bench.quality.grid import make_grid
 from sparsevllm.bench.quality.report import markdown_table, plot
+from sparsevllm.bench.quality.reports import load_report
 from sparsevllm.bench.quality.runner import RunSettings, build_items, load_tokenizer, run_quality
+from sparsevllm.calibration import find_calibration, model_identity, write_calibration
+from sparsevllm.llm import LLM
 
 LENGTH = 256
 GRID = dict(tasks=["niah_single", "variable_tracking"], lengths=[LENGTH], samples=2)
@@ -99,6 +103,17 @@ def test_records_and_aggregate(tiny_llama: str, counting: type[Counting], tmp_pa
     knobs = {e["method"]: e["knobs"] for e in meta["engines_run"]}
     assert knobs["snapkv"]["decode_keep_tokens"] == LENGTH // 2
     assert knobs["streamingllm"] == {"sink_keep_tokens": 4, "recent_keep_tokens": LENGTH // 2 - 4}
+    # The model's names and config fingerprint: a calibration made from the report
+    # matches the model as an engine that loads it sees it.
+    assert meta["model_identity"]["names"] == [Path(tiny_llama).name]
+    cal = build_calibration([load_report(str(tmp_path / "q.json"))], "test")
+    write_calibration(cal, tmp_path / "cal" / "tiny.json")
+    llm = LLM(tiny_llama, max_num_seqs=1)
+    loaded = llm.engine.source
+    llm.close()
+    seen = model_identity(loaded.path, loaded.hf_config.to_dict())
+    assert seen.fingerprint == meta["model_identity"]["fingerprint"] is not None
+    assert find_calibration(seen, tmp_path / "cal").methods.keys() == {"snapkv", "streamingllm"}
     table = markdown_table(report)
     assert "| snapkv | 0.5 | 50.0 | 10.0 | 30.0 |" in table
     plot(report, tmp_path / "q.png")

@@ -142,7 +142,6 @@ def test_a_chain_continues_only_under_the_choice_that_built_it(model):
             "sparse_knobs",
         ),
         ({"kv_budget": 64}, "no KV budget knob", "kv_budget"),
-        ({"sparse_method": "snapkv", "kv_budget": "auto"}, "calibration", None),
     ],
 )
 def test_bad_choices_are_refused_with_the_valid_ones(model, params, message, param):
@@ -158,3 +157,57 @@ def test_methods_of_incompatible_layouts_are_refused_at_start(model):
         LLM(model, sparse_methods=["snapkv", "quest"])
     with pytest.raises(ValueError, match="radix' needs storage that stays a plain prefix"):
         LLM(model, sparse_methods=["snapkv"], prefix_cache_mode="radix")
+
+
+def write_calibration_for(model: str, directory) -> None:
+    """A calibration of SnapKV on the tiny model measured at 64-token prompts: relative
+    accuracy 0.6 / 0.85 / 0.97 at kept fractions 0.25 / 0.5 / 0.75."""
+    from transformers import AutoConfig
+
+    from sparsevllm.calibration.identity import model_identity
+    from sparsevllm.calibration.schema import (
+        Calibration,
+        Coverage,
+        MethodCurve,
+        Point,
+        write_calibration,
+    )
+
+    identity = model_identity(model, AutoConfig.from_pretrained(model).to_dict())
+    points = tuple(
+        Point(64, kept, rel, rel / 2, 0.5, 20, ("niah_single",))
+        for kept, rel in ((0.25, 0.6), (0.5, 0.85), (0.75, 0.97))
+    )
+    curve = MethodCurve((Coverage(64, 66),), points)
+    cal = Calibration(identity, {"snapkv": curve}, (), "synthetic, for the test")
+    write_calibration(cal, directory / "tiny.json")
+
+
+def test_auto_budget_follows_the_calibration(model, tmp_path):
+    write_calibration_for(model, tmp_path)
+    llm = LLM(model, sparse_method="snapkv", calibration_dir=str(tmp_path))
+    engine, prompt = llm.engine, PROMPTS[0]  # 61 tokens
+
+    def chosen(floor: float) -> int:
+        params = SamplingParams(**GREEDY, kv_budget="auto", min_accuracy=floor)
+        return engine.method_choice(prompt, params).decode_keep_tokens
+
+    # A stricter floor keeps more: ceil(kept fraction x 64 measured tokens).
+    assert chosen(0.5) == 16 and chosen(0.8) == 32 and chosen(0.95) == 48
+    # No calibrated budget reaches 0.99 of the full context: it keeps everything.
+    assert chosen(0.99) == engine.max_model_len
+    auto = SamplingParams(**GREEDY, kv_budget="auto", min_accuracy=0.8)
+    explicit = SamplingParams(**GREEDY, kv_budget=32)
+    a, b = llm.generate([prompt, prompt], [auto, explicit], use_tqdm=False)
+    assert a.token_ids == b.token_ids
+    full = llm.generate([prompt], SamplingParams(**GREEDY, kv_budget="auto", min_accuracy=0.99))
+    dense = LLM(model).generate([prompt], SamplingParams(**GREEDY), use_tqdm=False)
+    assert full[0].token_ids == dense[0].token_ids
+
+
+def test_auto_budget_without_a_calibration_says_how_to_make_one(model, tmp_path):
+    llm = LLM(model, sparse_method="snapkv", calibration_dir=str(tmp_path))
+    params = SamplingParams(**GREEDY, kv_budget="auto")
+    with pytest.raises(ValueError, match="sparsevllm calibrate") as info:
+        llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert getattr(info.value, "param", None) == "kv_budget"

@@ -61,6 +61,13 @@ def test_a_request_chooses_its_method_and_budget(server: RunningServer, single_m
         extra_body={"sparse_method": "streamingllm", "kv_budget": 16},
     )
     assert chat.usage.completion_tokens == 4
+    response = client.responses.create(
+        model=TINY_NAME, input=PROMPT, max_output_tokens=4, extra_body=SNAPKV
+    )
+    assert response.usage.output_tokens == 4
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=TINY_NAME, input=PROMPT, extra_body={"sparse_method": "h2o"})
+    assert info.value.body["param"] == "sparse_method"
 
 
 @pytest.mark.parametrize(

@@ -156,7 +156,7 @@ def test_instructions_come_first_and_are_not_carried_over(radix_server: RunningS
     "body, param",
     [
         ({"input": []}, "input"),
-        ({"input": "w1", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"input": "w1", "tools": [{"type": "function", "name": "a b"}]}, "tools.0.name"),
         ({"input": "w1", "temprature": 0.5}, "temprature"),
         ({"input": [{"role": "robot", "content": "w1"}]}, "input"),
         ({"input": "w1", "max_output_tokens": 10_000}, "max_output_tokens"),

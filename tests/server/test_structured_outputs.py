@@ -283,3 +283,23 @@ def test_required_and_named_tool_choice_constrain_the_call(server: RunningServer
     assert call.function.name == "get_weather"
     args = json.loads(call.function.arguments)
     assert set(args) == {"city"} and isinstance(args["city"], str)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_responses_required_and_named_tool_choice_constrain_the_call(
+    server: RunningServer, tool_choice: Any
+) -> None:
+    flat = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's shape
+    reply = server.client().responses.create(
+        model=server.model,
+        input="What is the weather in Paris?",
+        tools=[flat],  # type: ignore[list-item]
+        tool_choice=tool_choice,
+        max_output_tokens=48,
+        temperature=1.0,
+    )
+    assert reply.status == "completed", reply
+    (call,) = reply.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    args = json.loads(call.arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)

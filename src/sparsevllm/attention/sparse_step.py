@@ -58,6 +58,9 @@ class SparseStep:
     row_score_layers: list[frozenset[int] | None] | None = None
     # Each row's method id on the device ([S] int32; what merged decode views mask by).
     method_ids_t: torch.Tensor | None = None
+    # Several methods read this step's scores: one that has taken what it needs must not
+    # free them for the others (drop_scores keeps them).
+    shared_scores: bool = False
     # The method's batched decode views; None: every view is read whole.
     select_views: SelectViews | None = None
     # A decode-graph capture: the rows are padding standing for every later decode step,
@@ -101,7 +104,7 @@ class SparseStep:
     def drop_scores(self, layer: int) -> None:
         """Free a layer's probabilities (a method that has taken what it needs); in a
         batch of several methods they stay for the others."""
-        if self.owners is not None:
+        if self.shared_scores:
             return
         self.scores.pop(layer, None)
         self.step_scores.pop(layer, None)

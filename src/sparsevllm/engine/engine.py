@@ -8,6 +8,7 @@ import logging
 import torch
 
 from sparsevllm.config import EngineConfig
+from sparsevllm.engine.auto_budget import AutoBudgets
 from sparsevllm.engine.cache.store import NO_CLAIM, PruneResult, store_stats
 from sparsevllm.engine.capacity import CapacityPlan, resolve_max_model_len
 from sparsevllm.engine.devices import resolve_device
@@ -51,6 +52,12 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.source, self.capacity)
         self.method = self.runner.method  # the configured method (requests may choose others)
         self.methods = self.runner.methods
+        self.auto_budgets = AutoBudgets(
+            self.source.path,
+            self.source.hf_config.to_dict(),
+            config.calibration_dir,
+            self.max_model_len,
+        )
         groups, window_groups = self.runner.pool_groups()
         seed = shuffle_seed(config.kv_slot_order, config.seed)
         self.pool = KVPool(
@@ -123,11 +130,10 @@ class LLMEngine:
     def method_choice(self, prompt_ids: list[int], params: SamplingParams) -> MethodChoice:
         """The sparse method and settings serving a request (ValueError naming the
         problem: a method not served, a setting it does not read, a budget it lacks)."""
-        if params.kv_budget == "auto":
-            raise ValueError(
-                "kv_budget 'auto' is not available: no calibration is loaded for this model"
-            )
         budget = params.kv_budget if isinstance(params.kv_budget, int) else None
+        if params.kv_budget == "auto":
+            method = self.methods.resolve(params.sparse_method).sparse_method
+            budget = self.auto_budgets.budget(method, params.min_accuracy, len(prompt_ids))
         return self.methods.resolve(params.sparse_method, params.sparse_knobs, budget)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> MethodChoice:

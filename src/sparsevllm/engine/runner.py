@@ -281,6 +281,7 @@ class ModelRunner:
                 owners=list(methods.rows) if methods.mixed else None,
                 row_score_layers=row_layers,
                 method_ids_t=t.methods,
+                shared_scores=methods.mixed,
                 select_views=methods.select_views(t.methods),
             ),
         )

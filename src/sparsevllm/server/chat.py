@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -37,7 +36,7 @@ async def create_chat_completion(
     ctx.check_fan_out(n)
     chain_id = resolve_chain_id(req.chain_id, raw, n)
     messages = [m.as_template_input() for m in req.messages]
-    plan = plan_tools(req, ctx.tool_parser)
+    plan = plan_tools(req.tool_request(), ctx.tool_parser)
     with ctx.admitting(n) as admission:
         ids = await apply_template(ctx, messages, bool(req.add_generation_prompt), tools=plan.tools)
         prompt = PromptInput(ids)
@@ -45,11 +44,9 @@ async def create_chat_completion(
         max_tokens = check_context_length(
             len(prompt.token_ids), req.requested_max_tokens(), ctx.max_model_len, field, "messages"
         )
-        params = req.sampling_params(max_tokens, req.logprobs_n())
-        structured_param = req.structured().param
-        if plan.constraint is not None:
-            params = dataclasses.replace(params, structured_outputs=plan.constraint)
-            structured_param = "tool_choice"
+        params, structured_param = plan.constrain(
+            req.sampling_params(max_tokens, req.logprobs_n()), req.structured().param
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices, engine_requests = fan_out(request_id, [prompt], params, n, chain_id)
         stream = await ctx.submit(engine_requests, "messages", admission, structured_param)

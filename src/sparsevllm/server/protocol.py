@@ -9,7 +9,6 @@ fields accept ``null``, which some clients send for "not set".
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -23,6 +22,13 @@ from sparsevllm.server.structured import (
     StructuredOutputsBody,
     StructuredRequest,
     resolve_structured,
+)
+from sparsevllm.server.tools import (
+    Function,
+    ToolRequest,
+    check_tool_choice,
+    template_tool_calls,
+    tool_choice_kind,
 )
 
 # OpenAI's documented maximum for n.
@@ -248,27 +254,24 @@ class ChatMessage(StrictModel):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            # Chat templates read the arguments as a mapping (HF's convention).
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name,
-                 "arguments": _arguments(c.function.arguments)}}
-                for c in self.tool_calls
-            ]  # fmt: skip
+            message["tool_calls"] = template_tool_calls(
+                [(c.id, c.function.name, c.function.arguments) for c in self.tool_calls]
+            )
         return message
 
 
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+# OpenAI's rule for function names (both APIs).
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 
 class FunctionSpec(StrictModel):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    def as_function(self) -> Function:
+        return Function(self.name, self.description, self.parameters, self.strict)
 
 
 class ToolSpec(StrictModel):
@@ -318,20 +321,26 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         names = [t.function.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            raise ValueError("tools: function names must be unique")
-        choice = self.tool_choice
-        if choice not in (None, "none", "auto") and not names:
-            raise ValueError("tool_choice other than none/auto needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(
-                f"tool_choice names {choice.function.name!r}, which is not in tools "
-                f"({', '.join(names)})"
-            )
+        check_tool_choice(names, tool_choice_kind(self.tool_choice), self._named())
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens differ; send only one")
         return self
+
+    def _named(self) -> str | None:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    def tool_request(self) -> ToolRequest | None:
+        """The tools and tool choice (server/tools.py); None without tools."""
+        if not self.tools:
+            return None
+        return ToolRequest(
+            tuple(t.function.as_function() for t in self.tools),
+            tool_choice_kind(self.tool_choice),
+            self._named(),
+            constrained=self.structured().params is not None,
+        )
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (the new name) or max_tokens; None: up to max_model_len."""

@@ -4,8 +4,14 @@ Order: `response.created`, `response.in_progress`; per output item (a reasoning 
 first when the reply thinks, then the message) `response.output_item.added`,
 `response.content_part.added`, its text deltas (`response.reasoning_text.delta` or
 `response.output_text.delta`), `...text.done`, `response.content_part.done`,
-`response.output_item.done`; finally `response.completed` (or `response.incomplete`)
-with the same body a non-streamed request returns. Every event has a `sequence_number`.
+`response.output_item.done`; then per function call (they come whole, once the reply
+has ended: a partial call does not parse) `response.output_item.added`,
+`response.function_call_arguments.delta` and `.done`, `response.output_item.done`;
+finally `response.completed` (or `response.incomplete`) with the same body a
+non-streamed request returns. Every event has a `sequence_number`.
+
+With tools, message text is sent while it surely precedes any call (tools.ToolStream),
+so a reply that turns out to be only calls opens no message item, as its body has none.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, Protocol
 from sparsevllm.server.formatting import Choice
 from sparsevllm.server.reasoning import ReasoningParser, ReasoningStream
 from sparsevllm.server.response_items import ItemIds, message_item, reasoning_item
+from sparsevllm.server.tools import ToolPlan, ToolStream
 
 _PARTS = {"reasoning": "reasoning_text", "message": "output_text"}
 
@@ -27,6 +34,7 @@ class Turn(Protocol):
 
     choice: Choice
     ids: ItemIds
+    plan: ToolPlan
 
     def body(self, final: Any) -> dict[str, Any]: ...
     def finish(self) -> dict[str, Any]: ...
@@ -91,6 +99,32 @@ class _Writer:
             ),
         ]
 
+    def close(self, output: list[dict[str, Any]]) -> list[str]:
+        """Events that end the open items as the final `output` has them (a reply of
+        reasoning only still has its empty message), then the function calls'."""
+        kinds = [item["type"] for item in output]
+        if "message" in kinds:
+            events = [*self.start("message"), *self.done("message")]
+        else:
+            events = self.done(self.open) if self.open is not None else []
+        for item in output:
+            if item["type"] == "function_call":
+                events += self.call(item)
+        return events
+
+    def call(self, item: dict[str, Any]) -> list[str]:
+        self.index += 1
+        self.open = None
+        where = {"item_id": item["id"], "output_index": self.index}
+        added = {**item, "arguments": "", "status": "in_progress"}
+        args = item["arguments"]
+        return [
+            self.event("response.output_item.added", output_index=self.index, item=added),
+            self.event("response.function_call_arguments.delta", **where, delta=args),
+            self.event("response.function_call_arguments.done", **where, arguments=args),
+            self.event("response.output_item.done", output_index=self.index, item=item),
+        ]
+
 
 async def response_events(
     turn: Turn, stream: Any, parser: ReasoningParser | None
@@ -98,6 +132,7 @@ async def response_events(
     """The SSE events of `turn` as its engine request runs; aborts it however it ends."""
     w = _Writer(turn.ids)
     split = ReasoningStream(parser) if parser is not None else None
+    tools = ToolStream(turn.plan) if turn.plan.parses else None
     choice = turn.choice
     try:
         yield w.event("response.created", response=turn.body(None))
@@ -113,17 +148,18 @@ async def response_events(
             if out.finished:
                 choice.final = out
             text = choice.text_delta(out)
-            pieces = (
+            reasoning, content = (
                 ("", text)
                 if split is None
                 else split.deltas(out.text[: choice.sent_chars], out.finished)
             )
-            for kind, piece in zip(("reasoning", "message"), pieces):
+            if tools is not None:  # calls come whole with the body, below
+                content, _ = tools.feed(content, out.finished)
+            for kind, piece in (("reasoning", reasoning), ("message", content)):
                 for event in w.delta(kind, piece) if piece else []:
                     yield event
         body = turn.finish()
-        # A reply of reasoning only still has its (empty) message, as the body does.
-        for event in [*w.start("message"), *w.done("message")]:
+        for event in w.close(body["output"]):
             yield event
         done = "response.completed" if body["status"] == "completed" else "response.incomplete"
         yield w.event(done, response=body)

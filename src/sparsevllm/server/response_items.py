@@ -1,5 +1,6 @@
 """Output items of a response: an optional `reasoning` item (with a reasoning parser),
-then the assistant `message`; and the count of reasoning tokens for the usage."""
+the assistant `message` (left out when the reply is only function calls), then one
+`function_call` item per call; and the count of reasoning tokens for the usage."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparsevllm.server.reasoning import CLOSE, ReasoningParser
+from sparsevllm.server.tool_parsers import ToolCall
+from sparsevllm.server.tools import ToolPlan, split_calls, template_tool_calls
 
 
 @dataclass
@@ -42,14 +45,54 @@ def reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
     }
 
 
-def output_items(ids: ItemIds, text: str, parser: ReasoningParser | None) -> list[dict[str, Any]]:
-    """The final output of a reply's text."""
-    if parser is None:
-        return [message_item(ids.message, text)]
-    split = parser.split(text, finished=True)
+def function_call_item(call: ToolCall) -> dict[str, Any]:
+    """A call of the reply: `call_id` is what the client's function_call_output answers;
+    the item's own id is derived from it, so every body built from the reply agrees."""
+    return {
+        "type": "function_call",
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": "completed",
+    }
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A finished reply split into its parts (parsed once: calls get fresh ids)."""
+
+    reasoning: str | None
+    content: str | None  # None: the reply is only calls
+    calls: list[ToolCall]
+
+    def history(self) -> dict[str, Any]:
+        """The assistant message a later turn's template sees: the answer and its calls,
+        not the reasoning (chat templates drop earlier turns' reasoning too)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or ""}
+        if self.calls:
+            message["tool_calls"] = template_tool_calls(
+                [(c.id, c.name, c.arguments) for c in self.calls]
+            )
+        return message
+
+
+def split_reply(text: str, parser: ReasoningParser | None, plan: ToolPlan) -> Reply:
+    reasoning, answer = None, text
+    if parser is not None:
+        split = parser.split(text, finished=True)
+        reasoning, answer = split.reasoning, split.content
+    parsed = split_calls(answer, plan)
+    return Reply(reasoning, parsed.content, parsed.calls)
+
+
+def output_items(ids: ItemIds, reply: Reply) -> list[dict[str, Any]]:
+    """The final output of a reply."""
     # An empty block ("</think>" first) gives no item, as a stream opens none for it.
-    items = [reasoning_item(ids.reasoning, split.reasoning)] if split.reasoning else []
-    return [*items, message_item(ids.message, split.content)]
+    items = [reasoning_item(ids.reasoning, reply.reasoning)] if reply.reasoning else []
+    if not reply.calls or reply.content:
+        items.append(message_item(ids.message, reply.content or ""))
+    return [*items, *map(function_call_item, reply.calls)]
 
 
 def reasoning_tokens(tokenizer: Any, output_ids: list[int], has_reasoning: bool) -> int:

@@ -20,7 +20,7 @@ class StoredResponse:
     """
 
     body: dict[str, Any]
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # assistant turns may carry tool_calls
     prompt_text: str
     prompt_ids: list[int]
     output_ids: list[int]

@@ -6,6 +6,8 @@ prompt and its generated tokens, end-of-turn token included) followed by the tem
 rendering of what is new, so the chain cache (eviction methods) or the prefix cache
 (dense ones) serves the history and only the new tokens are prefilled; usage reports
 them as `input_tokens_details.cached_tokens`. Each conversation runs under one chain id.
+Tools are served as in chat completions (server/tools.py); a reply's calls are
+`function_call` output items, and the next turn sends their `function_call_output`.
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ from sparsevllm.server.errors import APIError, bad_request
 from sparsevllm.server.formatting import Choice, PromptInput
 from sparsevllm.server.protocol import check_context_length
 from sparsevllm.server.response_events import response_events
-from sparsevllm.server.response_items import ItemIds, output_items, reasoning_tokens
+from sparsevllm.server.response_items import (
+    ItemIds,
+    Reply,
+    output_items,
+    reasoning_tokens,
+    split_reply,
+)
 from sparsevllm.server.response_store import ResponseStore, StoredResponse
 from sparsevllm.server.responses_protocol import ResponsesRequest
 from sparsevllm.server.serving import EventStreamResponse, ServingContext, fan_out
+from sparsevllm.server.tools import ToolPlan, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +45,7 @@ logger = logging.getLogger(__name__)
 class Prompt:
     """The rendered prompt of a turn and the conversation it carries."""
 
-    messages: list[dict[str, str]]  # history + this input (no instructions)
+    messages: list[dict[str, Any]]  # history + this input (no instructions)
     text: str
     ids: list[int]
 
@@ -45,28 +54,19 @@ async def create_response(
     ctx: ServingContext, store: ResponseStore, req: ResponsesRequest, raw: Request
 ) -> Response:
     ctx.check_model(req.model)
-    prev = None
-    if req.previous_response_id is not None:
-        prev = store.get(req.previous_response_id)
-        if prev is None:
-            raise bad_request(
-                f"previous response {req.previous_response_id!r} is not stored (never "
-                f"created with store=true, deleted, or past the retention limit of "
-                f"{store.max_responses})",
-                param="previous_response_id",
-            )
+    prev = _previous(store, req)
+    plan = plan_tools(req.tool_request(), ctx.tool_parser)
     with ctx.admitting(1) as admission:
-        prompt = await build_prompt(ctx, req, prev)
+        prompt = await build_prompt(ctx, req, prev, plan.tools)
         max_tokens = check_context_length(
             len(prompt.ids), req.max_output_tokens, ctx.max_model_len, "max_output_tokens", "input"
         )
         response_id = f"resp_{uuid.uuid4().hex}"
         chain_id = prev.chain_id if prev is not None else f"conv-{response_id}"
-        choices, requests = fan_out(
-            response_id, [PromptInput(prompt.ids)], req.sampling_params(max_tokens), 1, chain_id
-        )
-        stream = await ctx.submit(requests, "input", admission, req.structured().param)
-    turn = _Turn(ctx, store, req, response_id, prompt, chain_id, choices[0])
+        params, param = plan.constrain(req.sampling_params(max_tokens), req.structured().param)
+        choices, requests = fan_out(response_id, [PromptInput(prompt.ids)], params, 1, chain_id)
+        stream = await ctx.submit(requests, "input", admission, param)
+    turn = _Turn(ctx, store, req, response_id, prompt, chain_id, choices[0], plan)
     if req.stream:
         return EventStreamResponse(response_events(turn, stream, ctx.reasoning), stream)
     finals = await ctx.collect(stream, raw)
@@ -79,11 +79,30 @@ async def create_response(
     return JSONResponse(turn.finish())
 
 
+def _previous(store: ResponseStore, req: ResponsesRequest) -> StoredResponse | None:
+    """The stored response this one continues (400 when it is not stored)."""
+    if req.previous_response_id is None:
+        return None
+    prev = store.get(req.previous_response_id)
+    if prev is None:
+        raise bad_request(
+            f"previous response {req.previous_response_id!r} is not stored (never "
+            f"created with store=true, deleted, or past the retention limit of "
+            f"{store.max_responses})",
+            param="previous_response_id",
+        )
+    return prev
+
+
 async def build_prompt(
-    ctx: ServingContext, req: ResponsesRequest, prev: StoredResponse | None
+    ctx: ServingContext,
+    req: ResponsesRequest,
+    prev: StoredResponse | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Prompt:
-    """Render the conversation; continue the previous turn's exact tokens when the
-    template renders that turn as it was generated (otherwise tokenize the whole text)."""
+    """Render the conversation (and `tools`); continue the previous turn's exact tokens
+    when the template renders that turn as it was generated (otherwise tokenize the
+    whole text)."""
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="input")
@@ -92,7 +111,7 @@ async def build_prompt(
 
     def render() -> Prompt:
         text = tok.apply_chat_template(
-            system + messages, add_generation_prompt=True, tokenize=False
+            system + messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
         ids = _continued_ids(tok, prev, text) if prev is not None else None
         if ids is None:
@@ -133,20 +152,30 @@ class _Turn:
         prompt: Prompt,
         chain_id: str,
         choice: Choice,
+        plan: ToolPlan,
     ) -> None:
         self.ctx, self.store, self.req = ctx, store, req
         self.id = response_id
         self.prompt = prompt
         self.chain_id = chain_id
         self.choice = choice
+        self.plan = plan
         self.ids = ItemIds()
         self.created_at = int(time.time())
+        self._reply: Reply | None = None
+
+    def reply(self, final: RequestOutput) -> Reply:
+        """The finished reply's parts, parsed once (its calls' ids must not change)."""
+        if self._reply is None:
+            self._reply = split_reply(final.text, self.ctx.reasoning, self.plan)
+        return self._reply
 
     # -- bodies -------------------------------------------------------------------------
     def body(self, final: RequestOutput | None) -> dict[str, Any]:
         req = self.req
-        status, incomplete = _status(final)
-        output = [] if final is None else output_items(self.ids, final.text, self.ctx.reasoning)
+        calls = final is not None and bool(self.reply(final).calls)
+        status, incomplete = _status(final, calls)
+        output = [] if final is None else output_items(self.ids, self.reply(final))
         return {
             "id": self.id,
             "object": "response",
@@ -164,8 +193,8 @@ class _Turn:
             "parallel_tool_calls": True
             if req.parallel_tool_calls is None
             else req.parallel_tool_calls,
-            "tool_choice": req.tool_choice or "auto",
-            "tools": [],
+            "tool_choice": _tool_choice(req),
+            "tools": [t.model_dump() for t in req.tools or []],
             "text": {"format": _text_format(req)},
             "truncation": "disabled",
             "store": bool(req.store),
@@ -195,15 +224,11 @@ class _Turn:
         assert final is not None
         body = self.body(final)
         if self.req.store:
-            # The history keeps the answer; chat templates drop earlier turns' reasoning.
-            parser = self.ctx.reasoning
-            answer = final.text if parser is None else parser.split(final.text, True).content
-            reply = {"role": "assistant", "content": answer}
             self.store.put(
                 self.id,
                 StoredResponse(
                     body=body,
-                    messages=[*self.prompt.messages, reply],
+                    messages=[*self.prompt.messages, self.reply(final).history()],
                     prompt_text=self.prompt.text,
                     prompt_ids=self.prompt.ids,
                     output_ids=list(final.token_ids),
@@ -214,6 +239,13 @@ class _Turn:
         return body
 
 
+def _tool_choice(req: ResponsesRequest) -> str | dict[str, Any]:
+    choice = req.tool_choice
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
 def _text_format(req: ResponsesRequest) -> dict[str, Any]:
     fmt = req.text.format if req.text is not None else None
     if fmt is None:
@@ -221,10 +253,12 @@ def _text_format(req: ResponsesRequest) -> dict[str, Any]:
     return fmt.model_dump(by_alias=True, exclude_none=True)
 
 
-def _status(final: RequestOutput | None) -> tuple[str, dict[str, str] | None]:
+def _status(final: RequestOutput | None, calls: bool) -> tuple[str, dict[str, str] | None]:
     if final is None:
         return "in_progress", None
-    if final.finish_reason == "length":
+    # Calls that parsed are whole, whatever the token limit cut after them (chat's
+    # finish_reason says "tool_calls" then too).
+    if final.finish_reason == "length" and not calls:
         return "incomplete", {"reason": "max_output_tokens"}
     if final.finish_reason == "abort":
         return "cancelled", None

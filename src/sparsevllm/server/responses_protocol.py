@@ -1,25 +1,45 @@
 """Request body of POST /v1/responses (OpenAI's Responses API) and its conversation.
 
-The input is a string (one user message) or a list of message items; the messages that
+The input is a string (one user message) or a list of items: messages, earlier
+`function_call`s and the `function_call_output`s that answer them. The messages that
 reach the chat template are the stored conversation of `previous_response_id` (if any),
 then this request's input, with `instructions` as a leading system message of this
-request only (OpenAI does not carry instructions over to the next response).
+request only (OpenAI does not carry instructions over to the next response). A function
+call becomes the assistant's `tool_calls` (joined to the assistant message before it),
+its output a `tool` message, as chat completions send them.
+
+`tools` are the Responses API's flat functions (`{"type": "function", "name", ...}`,
+where chat nests them under `function`); served as chat's are (server/tools.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sparsevllm.sampling import SamplingParams
 from sparsevllm.server.errors import APIError, bad_request, from_value_error
-from sparsevllm.server.protocol import StrictModel, engine_temperature, template_message
+from sparsevllm.server.protocol import (
+    MAX_TOOLS,
+    FunctionName,
+    SparseFields,
+    StrictModel,
+    engine_temperature,
+    template_message,
+)
 from sparsevllm.server.structured import (
     JsonSchemaFormat,
     ResponseFormat,
     StructuredRequest,
     resolve_structured,
+)
+from sparsevllm.server.tools import (
+    Function,
+    ToolRequest,
+    check_tool_choice,
+    template_tool_calls,
+    tool_choice_kind,
 )
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
@@ -46,6 +66,84 @@ class InputMessage(StrictModel):
     def as_template_input(self) -> dict[str, str]:
         texts = self.content if isinstance(self.content, str) else [p.text for p in self.content]
         return template_message(self.role, texts)
+
+
+class FunctionCallItem(StrictModel):
+    """An earlier reply's function call, sent back (as the output item, or made up)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object's text
+    id: str | None = None  # echoed output items carry theirs; ignored
+    status: str | None = None
+
+
+class FunctionCallOutput(StrictModel):
+    """What the client's function returned for `call_id`: a `tool` message."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        text = self.output if isinstance(self.output, str) else [p.text for p in self.output]
+        return {**template_message("tool", text), "tool_call_id": self.call_id}
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutput
+
+
+def history_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Input items as chat-template messages: function calls join the assistant message
+    they follow (or start one), as a chat reply that calls tools is one message."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if not isinstance(item, FunctionCallItem):
+            out.append(item.as_template_input())
+            continue
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        call = template_tool_calls([(item.call_id, item.name, item.arguments)])
+        out[-1]["tool_calls"] = [*out[-1].get("tool_calls", []), *call]
+    return out
+
+
+class FunctionTool(StrictModel):
+    """One entry of `tools`: a function the model may call (flat, unlike chat's)."""
+
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat(cls, data: Any) -> Any:
+        return _not_nested(data, "tools")
+
+    def as_function(self) -> Function:
+        return Function(self.name, self.description, self.parameters, self.strict)
+
+
+class FunctionChoice(StrictModel):
+    """`tool_choice` naming one function: `{"type": "function", "name": ...}`."""
+
+    type: Literal["function"]
+    name: str
+
+
+def _not_nested(data: Any, field: str) -> Any:
+    """Chat completions' shape, sent here, fails with the shape this API wants."""
+    if isinstance(data, dict) and "function" in data:
+        raise ValueError(
+            f'{field}: the Responses API names functions flat, {{"type": "function", '
+            f'"name": ...}}, not nested under "function" as chat completions does'
+        )
+    return data
 
 
 class TextFormat(StrictModel):
@@ -82,11 +180,11 @@ class TextOptions(StrictModel):
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, no effect
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(SparseFields):
     """POST /v1/responses."""
 
     model: str | None = None
-    input: str | list[InputMessage]
+    input: str | list[InputItem]
     instructions: str | None = None
     previous_response_id: str | None = Field(None, min_length=1)
     max_output_tokens: int | None = Field(None, ge=1)
@@ -98,14 +196,18 @@ class ResponsesRequest(StrictModel):
     user: str | None = None  # accepted and ignored, as OpenAI clients send it
     text: TextOptions | None = None
     truncation: Literal["disabled"] | None = None
-    # Tool calling is not served by this endpoint yet: only an empty tool list passes.
-    tools: list[Any] | None = Field(None, max_length=0)
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None  # accepted and ignored
     # vLLM's extras: greedy decoding checks and reproducible samples.
     seed: int | None = None
     top_k: int | None = Field(None, ge=-1)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _flat_choice(cls, value: Any) -> Any:
+        return _not_nested(value, "tool_choice")
 
     @model_validator(mode="after")
     def _checks(self) -> ResponsesRequest:
@@ -117,13 +219,30 @@ class ResponsesRequest(StrictModel):
                 f"metadata holds at most {MAX_METADATA_KEYS} keys with values of at most "
                 f"{MAX_METADATA_VALUE} characters"
             )
+        names = [t.name for t in self.tools or []]
+        check_tool_choice(names, tool_choice_kind(self.tool_choice), self._named())
         return self
 
-    def input_messages(self) -> list[dict[str, str]]:
+    def _named(self) -> str | None:
+        choice = self.tool_choice
+        return choice.name if isinstance(choice, FunctionChoice) else None
+
+    def tool_request(self) -> ToolRequest | None:
+        """The tools and tool choice (server/tools.py); None without tools."""
+        if not self.tools:
+            return None
+        return ToolRequest(
+            tuple(t.as_function() for t in self.tools),
+            tool_choice_kind(self.tool_choice),
+            self._named(),
+            constrained=self.structured().params is not None,
+        )
+
+    def input_messages(self) -> list[dict[str, Any]]:
         """This request's input as chat-template messages (no instructions)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [m.as_template_input() for m in self.input]
+        return history_messages(self.input)
 
     def structured(self) -> StructuredRequest:
         """The output constraint of `text.format` (a 400 naming `text` when malformed)."""
@@ -144,6 +263,7 @@ class ResponsesRequest(StrictModel):
             "top_k": self.top_k,
             "seed": self.seed,
             "structured_outputs": self.structured().params,
+            **self.sparse_values(),
         }
         try:
             return SamplingParams(**{k: v for k, v in values.items() if v is not None})

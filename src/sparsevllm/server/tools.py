@@ -1,24 +1,95 @@
-"""Tool calling in chat completions: what a request's `tools` and `tool_choice` mean for
-its prompt, its sampling and its reply.
+"""Tool calling, for chat completions and responses alike: what a request's tools and
+`tool_choice` mean for its prompt, its sampling and its reply.
 
-- The chat template renders `tools` (a template without tool support ignores them).
+- The chat template renders the tools (a template without tool support ignores them),
+  in Hugging Face's shape `{"type": "function", "function": {...}}` whichever API sent
+  them (chat nests the function, the Responses API does not).
 - `tool_choice` `auto` (the default with tools): the reply is parsed by the server's
   `--tool-call-parser` (server/tool_parsers.py); without one, tools are refused.
 - `required` or a named function: the reply is constrained (structured outputs) to one
   JSON object `{"name": ..., "arguments": {...}}` of an offered function, whose
   arguments follow its `parameters` schema; no parser is needed.
 - `none`: the tools are rendered, the reply is plain content.
+
+Each API turns its own request shape into a `ToolRequest` (protocol.py,
+responses_protocol.py) and its own reply shape out of the `Parsed` calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sparsevllm.sampling import SamplingParams
 from sparsevllm.server.errors import bad_request
-from sparsevllm.server.protocol import ChatCompletionRequest, NamedToolChoice
 from sparsevllm.server.tool_parsers import Parsed, ToolCall, ToolParser, parse_llama3_json
 from sparsevllm.structured_outputs import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class Function:
+    """A function the model may call, as either API describes it."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        fields = {
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "strict": self.strict,
+        }
+        return {"type": "function", "function": {k: v for k, v in fields.items() if v is not None}}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A request's tools and tool choice, whichever API they came in."""
+
+    functions: tuple[Function, ...]
+    choice: str = "auto"  # auto | none | required | function (the one named)
+    name: str | None = None  # the named function
+    constrained: bool = False  # the request constrains its output already
+
+
+def tool_choice_kind(choice: object) -> str:
+    """A request's `tool_choice` as ToolRequest.choice: its string, "auto" when unset,
+    "function" for a named function (an object in both APIs)."""
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else "function"
+
+
+def check_tool_choice(names: Sequence[str], choice: str | None, named: str | None) -> None:
+    """ValueError (a 400) for duplicate function names, or a choice the tools cannot meet."""
+    if len(set(names)) != len(names):
+        raise ValueError("tools: function names must be unique")
+    if choice not in (None, "none", "auto") and not names:
+        raise ValueError("tool_choice other than none/auto needs tools")
+    if named is not None and named not in names:
+        raise ValueError(f"tool_choice names {named!r}, which is not in tools ({', '.join(names)})")
+
+
+def template_tool_calls(calls: Sequence[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """(id, name, arguments text) of earlier calls as chat templates read them: HF's shape,
+    the arguments as a mapping."""
+    return [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": _parsed(args)}}
+        for call_id, name, args in calls
+    ]
+
+
+def _parsed(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 @dataclass(frozen=True)
@@ -40,15 +111,23 @@ class ToolPlan:
         assert self.parser is not None
         return self.parser.parse(text)
 
+    def constrain(
+        self, params: SamplingParams, param: str | None
+    ) -> tuple[SamplingParams, str | None]:
+        """A request's sampling with the call constraint of `required` / a named function
+        (its errors then name `tool_choice`), else as it was."""
+        if self.constraint is None:
+            return params, param
+        return dataclasses.replace(params, structured_outputs=self.constraint), "tool_choice"
 
-def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPlan:
-    if not req.tools:
+
+def plan_tools(request: ToolRequest | None, parser: ToolParser | None) -> ToolPlan:
+    if request is None or not request.functions:
         return ToolPlan(None, None, None)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    choice = req.tool_choice or "auto"
-    if choice == "none":
+    tools = [f.for_template() for f in request.functions]
+    if request.choice == "none":
         return ToolPlan(tools, None, None)
-    if choice == "auto":
+    if request.choice == "auto":
         if parser is None:
             raise bad_request(
                 "this server parses no tool calls: start it with --tool-call-parser "
@@ -56,41 +135,42 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPla
                 param="tools",
             )
         return ToolPlan(tools, parser, None)
-    if req.structured().params is not None:
+    if request.constrained:
         raise bad_request(
             "tool_choice 'required' or a named function constrains the reply already; "
             "drop the output constraint",
             param="tool_choice",
         )
-    names = [choice.function.name] if isinstance(choice, NamedToolChoice) else None
-    schema = _call_schema(req, names)
+    offered = [f for f in request.functions if request.name in (None, f.name)]
+    schema = _call_schema(offered)
     return ToolPlan(tools, None, StructuredOutputsParams(json=schema), constrained=True)
 
 
-def _call_schema(req: ChatCompletionRequest, names: list[str] | None) -> dict[str, Any]:
-    """One call object of the named (or any offered) function."""
-    options = []
-    for tool in req.tools or []:
-        fn = tool.function
-        if names is not None and fn.name not in names:
-            continue
-        params = fn.parameters or {"type": "object"}
-        options.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": fn.name}, "arguments": params},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
+def _call_schema(functions: Sequence[Function]) -> dict[str, Any]:
+    """One call object of one of `functions`."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f.name},
+                "arguments": f.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def split_calls(text: str, plan: ToolPlan) -> Parsed:
+    """A finished reply's content and calls (no calls when the plan parses none)."""
+    return plan.parse(text) if plan.parses else Parsed(text, [])
+
+
 def tool_message(text: str, plan: ToolPlan) -> tuple[dict[str, Any], bool]:
-    """The assistant message of a finished reply and whether it calls tools."""
-    if not plan.parses:
-        return {"role": "assistant", "content": text}, False
-    parsed = plan.parse(text)
+    """The assistant message of a finished chat reply and whether it calls tools."""
+    parsed = split_calls(text, plan)
     if not parsed.calls:
         return {"role": "assistant", "content": text}, False
     calls = [c.as_openai() for c in parsed.calls]

@@ -25,6 +25,8 @@ DEFAULT_RATIOS = (0.5, 0.75, 0.9)
 DEFAULT_SAMPLES = 20
 DEPTHLESS_TASKS = frozenset({"common_words_extraction", "frequent_words_extraction"})
 
+# As reports state it (and `sparsevllm calibrate` checks it before reading their ratios).
+BUDGET_RULE = "budget = round((1 - ratio) * length) KV tokens per layer; vanilla: ratio 0"
 Key = tuple[str, float, str, int, int]  # a record's identity: (method, ratio, task, length, seed)
 KEY_FIELDS = ("method", "ratio", "task", "length", "seed")
 

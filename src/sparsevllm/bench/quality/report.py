@@ -10,10 +10,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sparsevllm.bench.quality.grid import Grid, Key, make_key
+from sparsevllm.bench.quality.grid import BUDGET_RULE, Grid, Key, make_key
 from sparsevllm.bench.quality.settings import ANSWER_SEP, ENGINE_DEFAULTS, RunSettings
-
-BUDGET_RULE = "budget = round((1 - ratio) * length) KV tokens per layer; vanilla: ratio 0"
 
 
 def aggregate(grid: Grid, records: dict[Key, dict[str, Any]]) -> list[dict[str, Any]]:

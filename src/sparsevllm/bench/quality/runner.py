@@ -27,6 +27,7 @@ from sparsevllm.bench.quality import Sample, generate, prompt_hash, score
 from sparsevllm.bench.quality.grid import KEY_FIELDS, Cell, Grid, Key, describe, make_key
 from sparsevllm.bench.quality.report import build_report
 from sparsevllm.bench.quality.settings import ANSWER_SEP, RunSettings
+from sparsevllm.calibration import model_identity
 from sparsevllm.config import EngineConfig
 from sparsevllm.llm import LLM
 from sparsevllm.sampling import SamplingParams
@@ -88,6 +89,11 @@ def build_items(grid: Grid, tokenizer: Any, settings: RunSettings) -> dict[tuple
 
 def load_tokenizer(settings: RunSettings) -> Any:
     """The model's tokenizer, without building the model."""
+    return _load_source(settings).tokenizer
+
+
+def _load_source(settings: RunSettings) -> Any:
+    """The model's config and tokenizer (models.loader.ModelSource), without weights."""
     from sparsevllm.models.loader import load_model_source
 
     engine = settings.engine
@@ -96,7 +102,13 @@ def load_tokenizer(settings: RunSettings) -> Any:
     )
     if source.tokenizer is None:
         raise ValueError(f"{settings.model}: the quality tasks need a model with a tokenizer")
-    return source.tokenizer
+    return source
+
+
+def model_identity_of(source: Any) -> dict[str, Any]:
+    """The names and config fingerprint a calibration made from the report matches."""
+    identity = model_identity(source.path, source.hf_config.to_dict())
+    return {"names": list(identity.names), "fingerprint": identity.fingerprint}
 
 
 # ------------------------------------------------------------------------ records
@@ -240,19 +252,16 @@ def pending_items(grid: Grid, cell: Cell, items: dict[tuple, Item], done: dict) 
 
 
 def run_grid(
-    grid: Grid, settings: RunSettings, records_path: Path
+    grid: Grid, settings: RunSettings, records_path: Path, tokenizer: Any
 ) -> tuple[dict[Key, dict[str, Any]], list[dict[str, Any]]]:
     """Run every missing record of the grid, appending to `records_path`.
 
     Returns all of the grid's records (stored and new) by key, and the timing of each
     engine built in this run.
     """
-    cells = grid.cells()
-    for cell in cells:  # fail on a bad setting before anything slow starts
-        EngineConfig.from_dict({"model": settings.model, **settings.engine_kwargs(cell)})
-    tokenizer = load_tokenizer(settings)
     items = build_items(grid, tokenizer, settings)
     done = reusable(load_records(records_path), items, settings.ident)
+    cells = grid.cells()
     total = sum(len(grid.cell_keys(c)) for c in cells)
     timings = []
     bar = tqdm(total=total, desc="quality", unit="sample", disable=not settings.progress)
@@ -288,10 +297,14 @@ def run_quality(
         raise ValueError(f"the records file and the JSON report are both {json_path}")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     records_path.parent.mkdir(parents=True, exist_ok=True)
+    for cell in grid.cells():  # fail on a bad setting before anything slow starts
+        EngineConfig.from_dict({"model": settings.model, **settings.engine_kwargs(cell)})
     started, t0 = time.time(), time.perf_counter()
-    records, timings = run_grid(grid, settings, records_path)
+    source = _load_source(settings)
+    records, timings = run_grid(grid, settings, records_path, source.tokenizer)
     elapsed = time.perf_counter() - t0
     report = build_report(grid, settings, records, timings, started, elapsed)
     report["metadata"]["records_file"] = str(records_path)
+    report["metadata"]["model_identity"] = model_identity_of(source)
     json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
