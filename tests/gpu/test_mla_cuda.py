@@ -23,6 +23,8 @@ def test_cuda_matches_cpu_reference(tmp_path, kind, method):
     kwargs = dict(dtype="float32", chunk_prefill_size=16, sparse_method=method)
     if method != "vanilla":
         kwargs.update(decode_keep_tokens=24, recent_keep_tokens=8)
+    if method == "snapkv":  # max-pool plateaus are near-ties the two paths may break apart
+        kwargs.update(snapkv_pool_kernel_size=1)
     if method == "quest":
         kwargs.update(quest_chunk_size=4, quest_skip_layers=1, recent_keep_tokens=4)
     cpu = LLM(model, device="cpu", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
