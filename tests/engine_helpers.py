@@ -47,6 +47,11 @@ METHOD_KNOBS: dict[str, dict[str, Any]] = {
     # Partitions of 8: the 61-token prompt has six scored ones.
     "lagkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8, "lagkv_lag_size": 8},
     "strided": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
+    "expected_attention": {
+        "decode_keep_tokens": 24,
+        "recent_keep_tokens": 8,
+        "expected_attention_n_future": 16,
+    },
     "h2o": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "sink_keep_tokens": 2},
     "rkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "rkv_interval": 8},
     "tova": {"decode_keep_tokens": 24, "recent_keep_tokens": 0, "sink_keep_tokens": 0},

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 # select_views(layer, q [S, num_heads, head_dim], batch) -> (subset [S, Hkv, B] int32,
 # lens [S] or [S, Hkv] int32) context positions each sequence's single query reads, or
 # None for the whole views (the contract is SparseMethod.select_views).
+# observe_queries(layer, row, q [n, num_heads, head_dim]): a row's newest n queries,
+# post-RoPE, handed to its method (SparseMethod.observe_queries).
+ObserveQueries: TypeAlias = "Callable[[int, int, torch.Tensor], None]"
 SelectViews: TypeAlias = (
     "Callable[[int, torch.Tensor, ForwardBatch], tuple[torch.Tensor, torch.Tensor] | None]"
 )
@@ -66,6 +69,10 @@ class SparseStep:
     # A decode-graph capture: the rows are padding standing for every later decode step,
     # so nothing may be decided from host lists that describe one real step.
     capturing: bool = False
+    # Per sequence: how many of its newest queries its method takes at each layer
+    # (`query_rows`), and where they go; None: no row asks (a decode graph never does).
+    query_rows: list[int] = field(default_factory=list)
+    observe_queries: ObserveQueries | None = None
     scores: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     step_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     # The view length of each row at a step_scores layer: where its probabilities end.
@@ -90,6 +97,18 @@ class SparseStep:
         if layers is not None and layer not in layers:
             return 0
         return self.score_rows[i]
+
+    def hand_queries(
+        self, layer: int, q: torch.Tensor, q_starts: list[int], q_lens: list[int]
+    ) -> None:
+        """Give each asking sequence's newest queries at `layer` to its method; q is the
+        step's `[T, num_heads, head_dim]` post-RoPE queries (what the backend attends)."""
+        if self.observe_queries is None:
+            return
+        for i, rows in enumerate(self.query_rows):
+            if rows:
+                end = q_starts[i] + q_lens[i]
+                self.observe_queries(layer, i, q[end - rows : end])
 
     def put_scores(self, layer: int, i: int, value: torch.Tensor) -> None:
         """Sequence i's summed probabilities at `layer`: `[num_heads, L_i]`."""

@@ -48,6 +48,8 @@ class TritonBackend(AttentionBackend):
         # Scales (None for the model dtype): the kernels quantize and dequantize with them.
         k_scale, v_scale = storage.k_scale, storage.v_scale
         store_kv(k, v, storage.k, storage.v, batch.slot_mapping[group], k_scale, v_scale)
+        if window is None:  # sparse methods leave sliding-window layers alone
+            batch.sparse.hand_queries(layer, q, batch.q_starts, batch.q_lens)
         out = torch.empty_like(q)
         table = batch.tables[group]
         lens = batch.view_lens_t[group]

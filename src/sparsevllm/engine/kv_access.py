@@ -9,6 +9,8 @@ moves stored bytes with their scales (exact in every format).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from sparsevllm.engine.kv_pool import KVPool
@@ -28,8 +30,10 @@ class RunnerKV:
         storage: list[KVStorage],
         tables: DeviceSlotTables | None = None,
         rows: SlotRows | None = None,
+        rope: Callable[[int], torch.Tensor | None] | None = None,
     ) -> None:
         self.pool = pool
+        self._rope = rope  # the model's rope_frequencies (None: no RoPE known)
         self.tables = tables
         self.rows = rows
         self.storage = storage  # per layer
@@ -43,6 +47,9 @@ class RunnerKV:
 
     def group_of(self, layer: int) -> int:
         return self.pool.group_of_layer[layer]
+
+    def rope_frequencies(self, layer: int) -> torch.Tensor | None:
+        return None if self._rope is None else self._rope(layer)
 
     def resident(self, seq_id: int, layer: int) -> int:
         return len(self._table(seq_id, layer))

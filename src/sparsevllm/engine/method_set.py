@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch
-from sparsevllm.attention.sparse_step import SelectViews
+from sparsevllm.attention.sparse_step import ObserveQueries, SelectViews
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.kv.layout import GQA
 from sparsevllm.sparse.base import KVAccess, RowScores, SeqStep, SparseMethod
@@ -231,6 +231,22 @@ class StepMethods:
     def score_rows(self, steps: list[SeqStep]) -> list[int]:
         return [m.score_rows(st) for m, st in zip(self.rows, steps)]
 
+    def query_rows(self, steps: list[SeqStep]) -> list[int]:
+        return [m.query_rows(st) for m, st in zip(self.rows, steps)]
+
+    def query_observer(self, steps: list[SeqStep], rows: list[int]) -> ObserveQueries | None:
+        """Where the backend hands each asking row's queries: its own method (None when
+        no row asks, the common case)."""
+        if not any(rows):
+            return None
+
+        def observe(layer: int, row: int, q: torch.Tensor) -> None:
+            method = self.rows[row]
+            if layer in method.layers:
+                method.observe_queries(layer, steps[row], q, self.set.kv_for(method))
+
+        return observe
+
     def score_layers(self) -> tuple[frozenset[int] | None, list[frozenset[int] | None] | None]:
         """(the step's score layers, per-row score layers in a mixed step)."""
         if not self.mixed:
@@ -371,6 +387,9 @@ class GroupedKV:
 
     def group_of(self, layer: int) -> int:
         return self._group_of[layer]
+
+    def rope_frequencies(self, layer: int) -> torch.Tensor | None:
+        return self.kv.rope_frequencies(layer)
 
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.kv.keys(seq_id, layer, start, end)

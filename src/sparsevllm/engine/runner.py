@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from itertools import chain
 from typing import NamedTuple, Protocol, cast
 
@@ -42,6 +43,13 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits `[N, vocab]` of hidden states `[N, hidden]`."""
+
+
+def rope_of(model: CausalLM) -> Callable[[int], torch.Tensor | None]:
+    """The model's `rope_frequencies(layer)` (a model without one, e.g. MLA whose keys
+    are latent rows, answers None for every layer)."""
+    found = getattr(model, "rope_frequencies", None)
+    return found if callable(found) else (lambda layer: None)
 
 
 class ModelRunner:
@@ -222,6 +230,8 @@ class ModelRunner:
             # Graph-computed decode views serve their score requests inside the graph;
             # otherwise scores are read on the host, after the forward.
             and methods.graph_ok(batch.sparse.score_rows)
+            # Queries handed to a method are read on the host mid-forward.
+            and not any(batch.sparse.query_rows)
         )
 
     def bind_pool(self, pool: KVPool, rows: SlotRows) -> None:
@@ -229,7 +239,7 @@ class ModelRunner:
         self.pool = pool
         self.rows = rows
         self.tables = DeviceSlotTables(pool.num_groups, rows.num_rows, rows.max_len, self.device)
-        self.kv = RunnerKV(pool, self.kv_storage, self.tables, rows)
+        self.kv = RunnerKV(pool, self.kv_storage, self.tables, rows, rope_of(self.model))
         self.methods.attach(self.kv)
         self.graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.graph_safe:
@@ -250,6 +260,7 @@ class ModelRunner:
         ]
         methods = self.methods.for_step(steps)
         score_rows = methods.score_rows(steps)
+        query_rows = methods.query_rows(steps)
         decode = [int(st.is_decode) for st in steps]
         t = self._upload(plan, score_rows, decode, methods.ids())
         self.tables.apply(plan.writes)
@@ -283,6 +294,8 @@ class ModelRunner:
                 method_ids_t=t.methods,
                 shared_scores=methods.mixed,
                 select_views=methods.select_views(t.methods),
+                query_rows=query_rows,
+                observe_queries=methods.query_observer(steps, query_rows),
             ),
         )
         methods.begin_step(batch)

@@ -103,6 +103,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         inv_freq = inverse_frequencies(head_dim, params)
+        # The angle per position of each rotated pair `[head_dim // 2]` (float32, host):
+        # what a sparse method needs to move queries between positions (rope_frequencies).
+        self.inv_freq = inv_freq
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
         scale = attention_factor(params)  # YaRN scales cos and sin alike

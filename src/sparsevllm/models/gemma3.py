@@ -254,6 +254,12 @@ class Gemma3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, batch)
 
+    def rope_frequencies(self, layer: int) -> torch.Tensor | None:
+        """The RoPE angle per position of `layer`'s rotated pairs `[head_dim // 2]` (its
+        layer type's table: local on sliding layers, global on full ones)."""
+        kind = self.model.layers[layer].layer_type
+        return self.model.rotary_emb[kind].inv_freq
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [S, vocab]
         cap = self.final_logit_softcapping

@@ -139,3 +139,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [S, vocab]
+
+    def rope_frequencies(self, layer: int) -> torch.Tensor | None:
+        """The RoPE angle per position of `layer`'s rotated pairs `[head_dim // 2]`."""
+        return self.model.rotary_emb.inv_freq

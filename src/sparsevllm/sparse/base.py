@@ -12,6 +12,11 @@ The host (runner, scheduler) asks a method what it needs and never which method 
   attention probabilities this step (observation windows, H2O, TOVA, OmniKV): a method
   answers `decode_score_rows` for a decode row (one generated token; the same answer
   serves every row of a captured decode graph) and `prefill_score_rows` otherwise.
+- `query_rows` / `observe_queries`: how many of a prompt step's newest queries the
+  attention backend hands to the method, per managed layer, as they enter attention
+  (post-RoPE `[n, num_heads, head_dim]`, before the step's keys are read), for methods
+  that model future queries (Expected Attention); never asked of a decode row, so decode
+  graphs are unaffected. The method reduces them at once (nothing is kept per step).
 - `begin_step`: before every forward, captured ones included: drop the previous step's
   results kept on the method, and do host-side upkeep (device state that the selection
   reads, e.g. Quest's page bounds); the only place a method may look at host data of
@@ -131,6 +136,13 @@ class KVAccess(Protocol):
         """The pool group that holds `layer`."""
         ...
 
+    def rope_frequencies(self, layer: int) -> torch.Tensor | None:
+        """The rotary angle per position of each rotated pair of `layer`'s queries and
+        keys, `[head_dim // 2]` float32 (rotate-half layout: channel i pairs with i + D/2
+        and turns by position x freq[i]), or None where the model reports none (MLA). A
+        method that moves queries between positions (Expected Attention) reads it."""
+        ...
+
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """K of view positions [start, end) at `layer`: `[n, num_kv_heads, head_dim]`."""
         ...
@@ -240,6 +252,25 @@ class SparseMethod:
         """Score rows of any other step: a prompt chunk, or a chunk that computes prompt
         and outputs again after a preemption."""
         return 0
+
+    @final
+    def query_rows(self, step: SeqStep) -> int:
+        """How many of the step's newest queries the backend hands to `observe_queries`
+        at each managed layer (a decode row: none)."""
+        if step.is_decode and step.num_new == 1:
+            return 0
+        return self.prefill_query_rows(step)
+
+    def prefill_query_rows(self, step: SeqStep) -> int:
+        """Newest queries of a prompt step (or a chunk recomputed after a preemption)
+        that the method wants to see (0: none, the default)."""
+        return 0
+
+    def observe_queries(self, layer: int, step: SeqStep, q: torch.Tensor, kv: KVAccess) -> None:
+        """During the forward, at each managed layer's attention: the step's newest
+        `query_rows(step)` queries, post-RoPE `[n, num_heads, head_dim]` (logical positions
+        `step.end - n .. step.end - 1`). The tensor is the forward's own: reduce or copy it
+        here, never keep it."""
 
     def begin_step(self, batch: ForwardBatch) -> None:
         """Before every forward (host side), captured ones included: drop the previous

@@ -47,6 +47,7 @@ _MODULES: dict[str, str] = {
         "keydiff",
         "lagkv",
         "strided",
+        "expected_attention",
         "omnikv",
         "quest",
     )
