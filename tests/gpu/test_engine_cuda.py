@@ -19,7 +19,18 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 CASES = {
     m: METHOD_KNOBS[m]
-    for m in ("vanilla", "streamingllm", "snapkv", "adakv", "h2o", "rkv", "tova", "quest", "omnikv")
+    for m in (
+        "vanilla",
+        "streamingllm",
+        "snapkv",
+        "adakv",
+        "h2o",
+        "rkv",
+        "tova",
+        "quest",
+        "omnikv",
+        "expected_attention",
+    )
 }
 # Ada-KV's per-head views (decode reads per-KV-head counts) without max-pool plateaus,
 # whose ties the two paths may break differently.
