@@ -56,9 +56,11 @@ class RefH2O:
                         acc[t] += x / group
         self.total = start + n
 
-    def must_evict(self, finishes_prompt: bool) -> bool:
+    def must_evict(self, step: SeqStep) -> bool:
         resident = len(self.acc[(0, 0)])
-        return resident > BUDGET + INTERVAL or (finishes_prompt and resident > BUDGET)
+        if step.finishes_prompt:
+            return resident > BUDGET
+        return step.is_decode and resident > BUDGET + INTERVAL  # a prompt is cut at its end
 
     def check_and_follow(self, layer: int, h: int, kept: list[int]) -> None:
         """`kept` must be a selection the definition allows; then the reference adopts it
@@ -125,7 +127,7 @@ def run(seed: int, prompts: dict[int, int], plan: list[dict[int, int]]):
         method.after_step(steps, scores, kv)
         for st in steps:
             ref = refs[st.seq_id]
-            evict = ref.must_evict(st.finishes_prompt)
+            evict = ref.must_evict(st)
             if evict:
                 evictions[st.seq_id].append(st.start)
             for la in range(LAYERS):
@@ -147,12 +149,12 @@ def run(seed: int, prompts: dict[int, int], plan: list[dict[int, int]]):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_h2o_matches_reference_over_chunked_prefill_and_decode(seed):
-    # Seq 0: 36-token prompt in chunks 16/16/4 (evicts mid-prefill at 32 > 16 and at the
-    # prompt's end at 16 > 12), then decodes (evicts each time it reaches 17 tokens).
+    # Seq 0: 36-token prompt in chunks 16/16/4 (the chunks vote; it is cut once, at the
+    # prompt's end), then decodes (evicts each time it reaches 17 tokens).
     # Seq 1: a 10-token prompt (fits, no eviction at its end) batched with it.
     plan = [{0: 16, 1: 10}, {0: 16, 1: 1}, {0: 4, 1: 1}] + [{0: 1, 1: 1}] * 14
     evictions, refs, pool, method = run(seed, {0: 36, 1: 10}, plan)
-    assert evictions[0] == [16, 32, 40, 45]  # mid-prefill, prompt end, decode bursts
+    assert evictions[0] == [32, 40, 45]  # the prompt's end, decode bursts
     assert evictions[1] == [16, 21]  # 17 resident after 7 decodes, then 5 more
     # Heads chose differently somewhere: the selection really is per KV head.
     assert any(

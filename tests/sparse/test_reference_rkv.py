@@ -66,7 +66,10 @@ class Reference:
         self.votes.append((start + n, per_head))
         end = start + n
         length = len(self.held[0])
-        if length > self.b + self.i or (start < prompt <= end and length > self.b):
+        if start < prompt <= end:  # the prompt is cut once, at its end
+            if length > self.b:
+                self.compress(k, end)
+        elif start >= prompt and length > self.b + self.i:  # decode bursts
             self.compress(k, end)
 
     def compress(self, k, end) -> None:

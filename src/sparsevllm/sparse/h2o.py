@@ -1,11 +1,12 @@
 """H2O (Zhang et al., 2023): heavy hitters by cumulative attention + recent tokens.
 
 Every query (prompt and generated) adds its attention probabilities to the resident
-tokens' cumulative scores, per layer and KV head. When a sequence holds more than
-`h2o_decode_budget + h2o_decode_eviction_interval` tokens in a layer (and at the end
-of the prompt, when it holds more than the budget), the layer is cut back to the
-budget: sink + recent + the highest cumulative scores, per KV head. The scores follow
-the compaction, so the state stays aligned with the resident rows.
+tokens' cumulative scores, per layer and KV head. At the end of the prompt (once,
+whatever its chunking: earlier chunks only vote), and during decode whenever a sequence
+holds more than `h2o_decode_budget + h2o_decode_eviction_interval` tokens in a layer,
+the layer is cut back to the budget: sink + recent + the highest cumulative scores, per
+KV head. The scores follow the compaction, so the state stays aligned with the
+resident rows.
 """
 
 from __future__ import annotations
@@ -64,11 +65,6 @@ class H2O(IntervalEviction):
 
     def may_compress(self, step: SeqStep) -> bool:
         return True  # also evicts during decode, every `interval` tokens
-
-    def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
-        if resident > self.budget + self.interval:
-            return True
-        return step.finishes_prompt and resident > self.budget
 
     def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         for step in steps:

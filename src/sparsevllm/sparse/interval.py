@@ -1,23 +1,32 @@
 """Eviction in bursts during decode: a layer may grow `interval` tokens past its budget
-before the method compresses it back (H2O, R-KV)."""
+before the method compresses it back (H2O, R-KV). A prompt is selected from once, at its
+end, whatever its chunking (a method defined over the whole prompt must not depend on
+chunk_prefill_size); only its generated tokens are evicted in bursts."""
 
 from __future__ import annotations
 
-from sparsevllm.sparse.base import ScoreEviction
+from sparsevllm.sparse.base import ScoreEviction, SeqStep
 
 
 class IntervalEviction(ScoreEviction):
-    """A ScoreEviction whose subclass sets `budget` and `interval`: the pool reserves
-    budget + interval per layer, plus a chunk while a prompt (or a recomputation after a
-    preemption) is prefilled before the layer is compressed."""
+    """A ScoreEviction whose subclass sets `budget` and `interval`: the whole prompt stays
+    resident until its end, then the pool reserves budget + interval per layer, plus a
+    chunk while generated tokens are computed again after a preemption."""
 
     evicts_during_decode = True
     budget: int
     interval: int
 
     def max_resident(self, prompt_len: int, max_tokens: int) -> int:
-        bound = self.budget + self.interval + self.config.chunk_prefill_size
+        chunk = self.config.chunk_prefill_size
+        bound = max(prompt_len + chunk, self.budget + self.interval + chunk)
         return min(prompt_len + max_tokens, bound)
+
+    def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
+        if step.finishes_prompt:
+            return resident > self.budget
+        # Mid-prompt chunks only vote: the selection happens once, at the prompt's end.
+        return step.is_decode and resident > self.budget + self.interval
 
     def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
         return min(prompt_len + max_tokens, self.budget + self.interval)

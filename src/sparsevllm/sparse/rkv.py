@@ -102,11 +102,6 @@ class RKV(IntervalEviction):
     def may_compress(self, step: SeqStep) -> bool:
         return True  # at the prompt's end, and whenever a layer passes budget + interval
 
-    def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
-        if resident > self.budget + self.interval:
-            return True
-        return step.finishes_prompt and resident > self.budget
-
     def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         for step in steps:
             layers = self._votes.setdefault(step.seq_id, {})

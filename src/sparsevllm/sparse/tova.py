@@ -2,8 +2,9 @@
 
 Whenever a layer holds more than `decode_keep_tokens` tokens, it keeps those the
 current query (the step's last token) attends to most, averaged over all heads; the
-same tokens for every head of the layer. Decode steps evict one token at a time;
-a prefill chunk is cut back with its last query's attention.
+same tokens for every head of the layer. A prompt is cut once, at its end, with its last
+query's attention (whatever its chunking: the selection must not depend on
+chunk_prefill_size); decode steps then evict one token at a time.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ class TOVA(SparseMethod):
     per_layer_groups = True
 
     def max_resident(self, prompt_len: int, max_tokens: int) -> int:
-        bound = self.config.decode_keep_tokens + self.config.chunk_prefill_size
+        # The whole prompt until its end; then the budget, plus a chunk of generated
+        # tokens computed again after a preemption.
+        chunk = self.config.chunk_prefill_size
+        bound = max(prompt_len, self.config.decode_keep_tokens) + chunk
         return min(prompt_len + max_tokens, bound)
 
     def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
@@ -30,16 +34,25 @@ class TOVA(SparseMethod):
         return 1
 
     def prefill_score_rows(self, step: SeqStep) -> int:
-        return 1  # the chunk's last query
+        # The chunk's last query, once the prompt ends (a recomputation's later chunks
+        # hold generated tokens, each of which evicted when it was decoded).
+        return 1 if _selects(step) else 0
 
     def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         budget = self.config.decode_keep_tokens
         for step in steps:
+            if not _selects(step):
+                continue
             for layer, rows in scores.items():
                 attn = rows[step.row]  # [num_heads, L]
                 if attn is None or attn.shape[-1] <= budget:
                     continue
                 kv.keep(step.seq_id, kv.group_of(layer), tova_keep(attn, budget))
+
+
+def _selects(step: SeqStep) -> bool:
+    """A step that cuts back: the end of the prompt, or any later (decode) step."""
+    return step.finishes_prompt or step.is_decode
 
 
 def tova_keep(attn: torch.Tensor, budget: int) -> list[int]:
