@@ -228,11 +228,7 @@ def _plot_panel(
         line, flat = _STYLE[mode]
         suffix = f" ({mode.replace('_', '-')})" if len(modes) > 1 else ""
         for method in methods:
-            mine = [
-                r
-                for r in rows
-                if r["method"] == method and r.get("mode", QUERY_AWARE) == mode
-            ]
+            mine = [r for r in rows if r["method"] == method and r.get("mode", QUERY_AWARE) == mode]
             points = sorted((r["ratio"], r["accuracy"]) for r in mine if r["accuracy"] is not None)
             if not points:
                 continue
