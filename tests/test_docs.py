@@ -64,3 +64,25 @@ def test_make_demo_installs_only_what_the_demo_needs():
     quick_start = readme[readme.index("## Quick start") : readme.index("## Python API")]
     for word in ("Triton", "kvpress", "Gemma", "test extras"):
         assert word in quick_start, word
+
+
+def test_quality_doc_describes_the_query_agnostic_mode_and_its_command():
+    from sparsevllm.bench.quality.grid import MODES
+    from sparsevllm.cli import build_parser
+
+    doc = (ROOT / "docs" / "quality" / "README.md").read_text()
+    section = doc[doc.index("## Query-agnostic mode") :]
+    section = section[: section.index("\n## ")]
+    for mode in MODES:
+        assert f"`{mode}`" in section, mode
+    assert "not measured yet" in section
+    # The Gemma command parses, and asks for what issue 18's acceptance names.
+    block = section[
+        section.index("```bash") + 7 : section.index("```", section.index("```bash") + 7)
+    ]
+    argv = block.replace("\\\n", " ").split()
+    assert argv[:3] == ["sparsevllm", "bench", "quality"]
+    args = build_parser().parse_args(argv[1:])
+    assert args.modes == list(MODES) and args.samples == 20 and args.lengths == [4096]
+    assert args.tasks == ["niah_single", "niah_multikey"] and args.ratios == [0.5, 0.75, 0.9]
+    assert args.methods is None  # every method

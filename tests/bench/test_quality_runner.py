@@ -158,7 +158,7 @@ def test_a_changed_prompt_is_an_error(
     bad["prompt_hash"] = "0" * 16
     records.write_text("".join(json.dumps(r) + "\n" for r in lines))
     counting.engines = 0
-    cell = "method=snapkv, ratio=0.5, task=niah_single, length=256, seed=1"
+    cell = "method=snapkv, ratio=0.5, task=niah_single, length=256, seed=1, mode=query_aware"
     with pytest.raises(ValueError, match=f"stored record \\({cell}\\) has prompt hash 0000"):
         run(tiny_llama, tmp_path)
     assert counting.engines == 0

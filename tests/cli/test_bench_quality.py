@@ -16,6 +16,8 @@ FLAGS = [
     "--methods",
     "--ratios",
     "--seed",
+    "--modes",
+    "--query-agnostic",
     "--model",
     "--chat",
     "--max-tokens",
@@ -53,6 +55,27 @@ def test_help_lists_every_flag() -> None:
     for flag in FLAGS:
         assert flag in out.stdout, flag
     assert "round((1 - r) * length)" in out.stdout
+    assert "query_agnostic: two turns" in " ".join(out.stdout.split())
+
+
+def test_query_agnostic_runs_two_turns(tiny_llama: str, tmp_path: Path) -> None:
+    args = ["--model", tiny_llama, "--tasks", "niah_single", "--lengths", "128", "--samples"]
+    args += ["2", "--methods", "vanilla,snapkv", "--ratios", "0.5", "--max-tokens", "4"]
+    args += ["--json", str(tmp_path / "q.json"), "--no-progress", "--query-agnostic"]
+    out = cli(*args)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "q.json").read_text())
+    assert report["metadata"]["modes"] == ["query_agnostic"]
+    assert {r["mode"] for r in report["results"]} == {"query_agnostic"}
+    records = [json.loads(x) for x in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert [r["chain_status"] for r in records if r["method"] == "snapkv"] == ["continued"] * 2
+    both = cli(*args[:-1], "--modes", "query_aware,query_agnostic")  # adds query-aware only
+    assert both.returncode == 0, both.stderr
+    assert "query_aware:" in both.stdout and "query_agnostic:" in both.stdout
+    report = json.loads((tmp_path / "q.json").read_text())
+    assert {e["mode"] for e in report["metadata"]["engines_run"]} == {"query_aware"}
+    clash = cli(*args, "--modes", "query_aware")
+    assert clash.returncode == 2 and "not allowed with argument" in clash.stderr
 
 
 def test_small_run_writes_json_records_and_plot(tiny_llama: str, tmp_path: Path) -> None:

@@ -14,9 +14,12 @@ from typing import Any
 from sparsevllm.bench.quality import TASKS
 from sparsevllm.bench.quality.grid import (
     DEFAULT_LENGTHS,
+    DEFAULT_MODES,
     DEFAULT_RATIOS,
     DEFAULT_SAMPLES,
     DEFAULT_TASKS,
+    MODES,
+    QUERY_AGNOSTIC,
     make_grid,
 )
 from sparsevllm.config import FIELD_HELP, EngineConfig, check_keys
@@ -111,9 +114,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--seed", type=int, default=0, help="First task seed; samples use seed..seed+n-1."
     )
+    _add_mode_args(p)
     _add_run_args(p)
     _add_engine_flags(p)
     p.set_defaults(func=run_cli)
+
+
+def _add_mode_args(p: argparse.ArgumentParser) -> None:
+    """--modes and its shortcut --query-agnostic (one or the other)."""
+    m = p.add_argument_group(
+        "modes",
+        "When the question reaches the engine. query_aware: the context and the question in "
+        "one prompt, so a method compresses knowing the question. query_agnostic: two turns "
+        "of one conversation; turn 1 is the context alone (a method compresses it at the end "
+        "of its prefill), turn 2 appends the question and continues turn 1's cached state "
+        "(chain cache, or radix prefix cache for vanilla and the logical methods). Every "
+        "method, vanilla included, runs the same turns; both modes go in one report.",
+    ).add_mutually_exclusive_group()
+    m.add_argument(
+        "--modes",
+        type=_csv(str),
+        default=list(DEFAULT_MODES),
+        help=f"Comma-separated modes (default: {','.join(DEFAULT_MODES)}; "
+        f"available: {', '.join(MODES)}).",
+    )
+    m.add_argument(
+        "--query-agnostic",
+        dest="modes",
+        action="store_const",
+        const=[QUERY_AGNOSTIC],
+        help="Run only the query-agnostic mode (same as --modes query_agnostic).",
+    )
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -190,7 +221,9 @@ def run_cli(args: argparse.Namespace) -> int:
     from sparsevllm.bench.quality.report import markdown_table, plot
     from sparsevllm.bench.quality.runner import RunSettings, run_quality
 
-    grid = make_grid(args.tasks, args.lengths, args.samples, args.methods, args.ratios, args.seed)
+    grid = make_grid(
+        args.tasks, args.lengths, args.samples, args.methods, args.ratios, args.seed, args.modes
+    )
     engine = engine_settings(args)
     model = args.model or engine.pop("model", None) or default_model()
     engine.pop("model", None)

@@ -8,6 +8,11 @@ engine (`Cell`); vanilla's one engine serves every length.
 
 Sample i of a (task, length) uses seed `seed + i` and, for needle tasks, the depth
 `i / (n - 1)` (0.5 for a single sample); the aggregation tasks take no depth.
+
+A mode says when the question reaches the engine (`MODES`): with the context in one
+prompt (`query_aware`, every method sees the question before it compresses), or as the
+second turn of a conversation whose first turn held only the context (`query_agnostic`,
+see `turns`). Every mode runs every cell: it is the outermost axis of the grid.
 """
 
 from __future__ import annotations
@@ -23,17 +28,24 @@ DEFAULT_TASKS = ("niah_single", "niah_multikey", "variable_tracking")
 DEFAULT_LENGTHS = (4096,)
 DEFAULT_RATIOS = (0.5, 0.75, 0.9)
 DEFAULT_SAMPLES = 20
+QUERY_AWARE, QUERY_AGNOSTIC = "query_aware", "query_agnostic"
+MODES = (QUERY_AWARE, QUERY_AGNOSTIC)
+DEFAULT_MODES = (QUERY_AWARE,)
 DEPTHLESS_TASKS = frozenset({"common_words_extraction", "frequent_words_extraction"})
 
 # As reports state it (and `sparsevllm calibrate` checks it before reading their ratios).
 BUDGET_RULE = "budget = round((1 - ratio) * length) KV tokens per layer; vanilla: ratio 0"
-Key = tuple[str, float, str, int, int]  # a record's identity: (method, ratio, task, length, seed)
-KEY_FIELDS = ("method", "ratio", "task", "length", "seed")
+# A record's identity: (method, ratio, task, length, seed, mode).
+Key = tuple[str, float, str, int, int, str]
+KEY_FIELDS = ("method", "ratio", "task", "length", "seed", "mode")
 
 
-def make_key(method: str, ratio: float, task: str, length: int, seed: int) -> Key:
-    """A record key; the ratio is rounded so that keys survive a JSON round trip."""
-    return (method, round(float(ratio), 6), task, int(length), int(seed))
+def make_key(
+    method: str, ratio: float, task: str, length: int, seed: int, mode: str = QUERY_AWARE
+) -> Key:
+    """A record key; the ratio is rounded so that keys survive a JSON round trip. Records
+    written before modes existed are query-aware, hence the default."""
+    return (method, round(float(ratio), 6), task, int(length), int(seed), mode)
 
 
 def describe(key: Key) -> str:
@@ -43,11 +55,13 @@ def describe(key: Key) -> str:
 
 @dataclass(frozen=True)
 class Cell:
-    """One engine: a method at a compression ratio for one length (None: every length)."""
+    """One engine: a method at a compression ratio for one length (None: every length),
+    in one mode (query-agnostic engines keep prefix caching on, see `settings`)."""
 
     method: str
     ratio: float
     length: int | None
+    mode: str = QUERY_AWARE
 
     def budget(self, length: int) -> int | None:
         """KV budget in tokens per layer for prompts of `length`; None: the full context."""
@@ -59,7 +73,8 @@ class Cell:
     def label(self) -> str:
         """Short name for the progress bar."""
         at = "" if self.length is None else f" len={self.length}"
-        return f"{self.method} r={self.ratio:g}{at}"
+        agnostic = " agnostic" if self.mode == QUERY_AGNOSTIC else ""
+        return f"{self.method} r={self.ratio:g}{at}{agnostic}"
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,7 @@ class Grid:
     methods: tuple[str, ...]
     ratios: tuple[float, ...]
     seed: int = 0
+    modes: tuple[str, ...] = DEFAULT_MODES
 
     def depths(self, task: str) -> list[float | None]:
         """Depth of each sample of `task`: evenly over [0, 1]; None for depthless tasks."""
@@ -86,20 +102,22 @@ class Grid:
         return [self.seed + i for i in range(self.samples)]
 
     def cells(self) -> list[Cell]:
-        """The engines to run, in order: vanilla once, every other method per ratio and length."""
+        """The engines to run, in order, per mode: vanilla once, every other method per
+        ratio and length."""
         out: list[Cell] = []
-        for method in self.methods:
-            if method_spec(method).budget_knob is None:
-                out.append(Cell(method, 0.0, None))
-            else:
-                out += [Cell(method, r, n) for r in self.ratios for n in self.lengths]
+        for mode in self.modes:
+            for method in self.methods:
+                if method_spec(method).budget_knob is None:
+                    out.append(Cell(method, 0.0, None, mode))
+                else:
+                    out += [Cell(method, r, n, mode) for r in self.ratios for n in self.lengths]
         return out
 
     def cell_keys(self, cell: Cell) -> list[Key]:
         """The records a cell produces."""
         lengths = self.lengths if cell.length is None else (cell.length,)
         return [
-            make_key(cell.method, cell.ratio, task, length, seed)
+            make_key(cell.method, cell.ratio, task, length, seed, cell.mode)
             for task in self.tasks
             for length in lengths
             for seed in self.seeds()
@@ -134,16 +152,18 @@ def make_grid(
     methods: Sequence[str] | None = None,
     ratios: Sequence[float] = DEFAULT_RATIOS,
     seed: int = 0,
+    modes: Sequence[str] = DEFAULT_MODES,
 ) -> Grid:
     """Validate a grid: task names (`all`: every task), method names or aliases (default:
-    every registered method), positive lengths and samples, ratios in (0, 1)."""
+    every registered method), positive lengths and samples, ratios in (0, 1), modes."""
     task_list = list(DEFAULT_TASKS if tasks is None else tasks)
     if task_list == ["all"]:
         task_list = list(TASKS)
     task_list = closest_names(task_list, list(TASKS), "task")
+    mode_list = closest_names(modes, list(MODES), "mode")
     method_list = method_names() if methods is None else [_method_name(m) for m in methods]
-    if not task_list or not method_list or not lengths:
-        raise ValueError("the grid needs at least one task, method and length")
+    if not task_list or not method_list or not lengths or not mode_list:
+        raise ValueError("the grid needs at least one task, method, length and mode")
     if samples < 1 or any(int(n) < 1 for n in lengths):
         raise ValueError(f"samples and lengths must be positive, got {samples} and {list(lengths)}")
     if not all(0.0 < float(r) < 1.0 for r in ratios):
@@ -157,4 +177,5 @@ def make_grid(
         methods=tuple(dict.fromkeys(method_list)),
         ratios=tuple(dict.fromkeys(float(r) for r in ratios)),
         seed=int(seed),
+        modes=tuple(dict.fromkeys(mode_list)),
     )

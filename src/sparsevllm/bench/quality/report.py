@@ -1,4 +1,7 @@
-"""The quality report: per-cell accuracy, run metadata, a markdown table and a plot."""
+"""The quality report: per-cell accuracy, run metadata, a markdown table and a plot.
+
+Rows and summary entries carry their `mode`; the table has one block per mode and the
+plot draws the query-agnostic lines dotted beside the query-aware ones."""
 
 from __future__ import annotations
 
@@ -10,21 +13,48 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sparsevllm.bench.quality.grid import BUDGET_RULE, Grid, Key, make_key
-from sparsevllm.bench.quality.settings import ANSWER_SEP, ENGINE_DEFAULTS, RunSettings
+from sparsevllm.bench.quality.grid import (
+    BUDGET_RULE,
+    DEFAULT_MODES,
+    QUERY_AGNOSTIC,
+    QUERY_AWARE,
+    Grid,
+    Key,
+    make_key,
+)
+from sparsevllm.bench.quality.settings import (
+    ANSWER_SEP,
+    ENGINE_DEFAULTS,
+    QUERY_AGNOSTIC_ENGINE,
+    RunSettings,
+)
+from sparsevllm.bench.quality.turns import ACK
+
+# How the query-agnostic turns are built, as the report states it (see `turns`).
+TWO_TURNS = {
+    "turn_1": "the context without the question; max_tokens=1, the sampled token is dropped",
+    "turn_2": "turn 1's token ids + the question + the answer prefix, continuing turn 1's "
+    "cached state (chain cache for eviction methods, radix prefix cache for the others)",
+    "chat_reply": ACK,
+    "engine": QUERY_AGNOSTIC_ENGINE,
+}
 
 
 def aggregate(grid: Grid, records: dict[Key, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (method, ratio, task, length): mean score over the samples present."""
+    """One row per (mode, method, ratio, task, length): mean score over the samples present."""
     rows = []
     for cell in grid.cells():
         for length in grid.lengths if cell.length is None else (cell.length,):
             for task in grid.tasks:
-                keys = [make_key(cell.method, cell.ratio, task, length, s) for s in grid.seeds()]
+                keys = [
+                    make_key(cell.method, cell.ratio, task, length, s, cell.mode)
+                    for s in grid.seeds()
+                ]
                 recs = [records[k] for k in keys if k in records]
                 n = len(recs)
                 rows.append(
                     {
+                        "mode": cell.mode,
                         "method": cell.method,
                         "ratio": cell.ratio,
                         "task": task,
@@ -40,15 +70,16 @@ def aggregate(grid: Grid, records: dict[Key, dict[str, Any]]) -> list[dict[str, 
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean accuracy of each (method, ratio) over its tasks and lengths."""
-    groups: dict[tuple[str, float], list[float]] = {}
+    """Mean accuracy of each (mode, method, ratio) over its tasks and lengths."""
+    groups: dict[tuple[str, str, float], list[float]] = {}
     for row in rows:
-        scores = groups.setdefault((row["method"], row["ratio"]), [])
+        key = (row.get("mode", QUERY_AWARE), row["method"], row["ratio"])
+        scores = groups.setdefault(key, [])
         if row["accuracy"] is not None:
             scores.append(row["accuracy"])
     return [
-        {"method": m, "ratio": r, "accuracy": sum(s) / len(s) if s else None}
-        for (m, r), s in groups.items()
+        {"mode": mode, "method": m, "ratio": r, "accuracy": sum(s) / len(s) if s else None}
+        for (mode, m, r), s in groups.items()
     ]
 
 
@@ -97,6 +128,8 @@ def build_report(
         "engine": engine,
         "grid": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items()},
         "chat": settings.chat,
+        "modes": list(grid.modes),
+        "two_turns": TWO_TURNS if QUERY_AGNOSTIC in grid.modes else None,
         "answer_sep": ANSWER_SEP,
         "max_tokens": settings.max_tokens or "per task",
         "decoding": "greedy",
@@ -115,20 +148,37 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
 
+def report_modes(report: dict[str, Any]) -> list[str]:
+    """The report's modes, in grid order (reports from before modes: query-aware only)."""
+    return list(report["metadata"]["grid"].get("modes") or DEFAULT_MODES)
+
+
 def markdown_table(report: dict[str, Any]) -> str:
-    """Accuracy (%) per method and ratio (rows) and task, per length when there are several."""
+    """Accuracy (%) per method and ratio (rows) and task, per length when there are several;
+    one table per mode, each under its name when there are several."""
+    modes = report_modes(report)
+    if len(modes) == 1:
+        return _mode_table(report, modes[0])
+    return "\n\n".join(f"{mode}:\n\n{_mode_table(report, mode)}" for mode in modes)
+
+
+def _mode_table(report: dict[str, Any], mode: str) -> str:
     grid = report["metadata"]["grid"]
     several = len(grid["lengths"]) > 1
     columns = [(t, n) for n in grid["lengths"] for t in grid["tasks"]]
     names = [f"{t} @{n}" if several else t for t, n in columns]
     acc = {
-        (r["method"], r["ratio"], r["task"], r["length"]): r["accuracy"] for r in report["results"]
+        (r["method"], r["ratio"], r["task"], r["length"]): r["accuracy"]
+        for r in report["results"]
+        if r.get("mode", QUERY_AWARE) == mode
     }
     lines = [
         "| method | ratio | " + " | ".join(names) + " | mean |",
         "|---|---:|" + "---:|" * (len(names) + 1),
     ]
     for s in report["summary"]:
+        if s.get("mode", QUERY_AWARE) != mode:
+            continue
         m, r = s["method"], s["ratio"]
         cells = [_pct(acc.get((m, r, t, n))) for t, n in columns]
         lines.append(f"| {m} | {r:g} | " + " | ".join(cells) + f" | {_pct(s['accuracy'])} |")
@@ -137,7 +187,7 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
     """Accuracy vs compression ratio: one subplot per task (and length), one line per
-    method, vanilla as a dashed horizontal reference."""
+    method and mode (query-agnostic dotted), vanilla as a horizontal reference."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,7 +201,7 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     for i, length in enumerate(lengths):
         for j, task in enumerate(tasks):
             rows = [r for r in report["results"] if r["task"] == task and r["length"] == length]
-            _plot_panel(axes[i][j], rows, grid["ratios"])
+            _plot_panel(axes[i][j], rows, grid["ratios"], report_modes(report))
             axes[i][j].set_title(f"{task} ({length} tokens)", fontsize=10)
     handles, labels = axes[0][0].get_legend_handles_labels()
     model = Path(str(report["metadata"]["model"])).name
@@ -164,22 +214,30 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-def _plot_panel(ax: Any, rows: list[dict[str, Any]], ratios: Sequence[float]) -> None:
-    """One task and length: a line per sparse method, vanilla as a dashed line."""
+# Line styles per mode: a method keeps its colour in both, vanilla stays black.
+_STYLE = {QUERY_AWARE: ("-", "--"), QUERY_AGNOSTIC: (":", "-.")}  # (methods, vanilla)
+
+
+def _plot_panel(
+    ax: Any, rows: list[dict[str, Any]], ratios: Sequence[float], modes: Sequence[str]
+) -> None:
+    """One task and length: a line per sparse method and mode, vanilla as a flat line."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    for method in methods:
-        points = sorted(
-            (r["ratio"], r["accuracy"])
-            for r in rows
-            if r["method"] == method and r["accuracy"] is not None
-        )
-        if not points:
-            continue
-        if all(r["budget"] is None for r in rows if r["method"] == method):
-            ax.axhline(points[0][1], color="black", linestyle="--", label=method)
-        else:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", label=method)
+    colours = {m: f"C{k % 10}" for k, m in enumerate(methods)}
+    for mode in modes:
+        line, flat = _STYLE[mode]
+        suffix = f" ({mode.replace('_', '-')})" if len(modes) > 1 else ""
+        for method in methods:
+            mine = [r for r in rows if r["method"] == method and r.get("mode", QUERY_AWARE) == mode]
+            points = sorted((r["ratio"], r["accuracy"]) for r in mine if r["accuracy"] is not None)
+            if not points:
+                continue
+            label = method + suffix
+            if all(r["budget"] is None for r in mine):
+                ax.axhline(points[0][1], color="black", linestyle=flat, label=label)
+            else:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", linestyle=line, color=colours[method], label=label)
     ax.set_xlim(0, 1)
     ax.set_ylim(-0.05, 1.05)
     ax.set_xticks(sorted({0.0, *ratios}))

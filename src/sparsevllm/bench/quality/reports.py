@@ -1,5 +1,9 @@
 """Reading `bench quality --json` reports back: checked rows, the model they measured,
-and the conditions vanilla's rows were measured under (for `sparsevllm calibrate`)."""
+and the conditions vanilla's rows were measured under (for `sparsevllm calibrate`).
+
+Only the query-aware rows are read: a calibration states how much of vanilla's accuracy
+a budget keeps when the method sees the question, as every calibration made before the
+query-agnostic mode existed did (a row without a mode is query-aware)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparsevllm.bench.quality.grid import BUDGET_RULE
+from sparsevllm.bench.quality.grid import BUDGET_RULE, QUERY_AWARE
 
 REFERENCE = "vanilla"  # the full-context method every ratio is compared with
 
@@ -92,9 +96,12 @@ def load_report(path: str) -> QualityReport:
 
 
 def _row(data: object, where: str) -> Row | None:
-    """A checked row; None for a cell without samples (a grid cell not run yet)."""
+    """A checked row; None for a cell without samples (a grid cell not run yet) and for
+    a row of another mode than query-aware."""
     if not isinstance(data, dict):
         raise ValueError(f"{where} must be an object")
+    if data.get("mode", QUERY_AWARE) != QUERY_AWARE:
+        return None  # a query-agnostic row: not what a calibration describes
     missing = [k for k in ("method", "ratio", "task", "length", "num_samples") if k not in data]
     if missing:
         raise ValueError(f"{where} lacks {', '.join(missing)}")

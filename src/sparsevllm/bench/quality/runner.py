@@ -4,10 +4,12 @@ Every (method, ratio, length) cell of the grid (see `grid`) builds one engine an
 of its samples in one batched `generate` call; the engine batches them continuously. The
 prompt is `sample.prompt + ANSWER_SEP + sample.answer_prefix`, a plain completion (with
 `chat`: the prompt as a user message through the chat template, then the prefix). Decoding
-is greedy and `max_tokens` is sized to the answers.
+is greedy and `max_tokens` is sized to the answers. A query-agnostic cell sends each sample
+as two turns of one conversation instead, the context first and the question second
+(`turns`).
 
 Every output becomes one JSON line in the records file, written as soon as its cell ends.
-A run skips the (method, ratio, task, length, seed) records the file already holds, after
+A run skips the (method, ratio, task, length, seed, mode) records the file already holds, after
 checking that each one's prompt hash matches the sample this run builds (and that model
 and prompt format are the same); a cell with nothing left to do builds no engine.
 """
@@ -24,9 +26,24 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from sparsevllm.bench.quality import Sample, generate, prompt_hash, score
-from sparsevllm.bench.quality.grid import KEY_FIELDS, Cell, Grid, Key, describe, make_key
+from sparsevllm.bench.quality.grid import (
+    QUERY_AGNOSTIC,
+    QUERY_AWARE,
+    Cell,
+    Grid,
+    Key,
+    describe,
+    make_key,
+)
 from sparsevllm.bench.quality.report import build_report
 from sparsevllm.bench.quality.settings import ANSWER_SEP, RunSettings
+from sparsevllm.bench.quality.turns import (
+    Turns,
+    TwoTurnOutput,
+    check_continued,
+    run_two_turns,
+    turn_ids,
+)
 from sparsevllm.calibration import model_identity
 from sparsevllm.config import EngineConfig
 from sparsevllm.llm import LLM
@@ -42,6 +59,8 @@ MAX_TOKENS_FLOOR = {
     "common_words_extraction": 128,
     "frequent_words_extraction": 64,
 }
+# What every stored record holds; `mode` may be missing (records from before modes).
+RECORD_FIELDS = ("method", "ratio", "task", "length", "seed", "prompt_hash", "score")
 
 
 @dataclass
@@ -52,6 +71,15 @@ class Item:
     length: int  # the grid's target length
     ids: list[int]  # the prompt's token ids, as fed to the engine
     max_tokens: int
+    turns: Turns | None = None  # the query-agnostic turns, when the grid has that mode
+
+    def prompt(self, mode: str) -> list[int]:
+        """The token ids the model completes in `mode` (turn 2's in query-agnostic)."""
+        if mode != QUERY_AGNOSTIC:
+            return self.ids
+        if self.turns is None:
+            raise ValueError("this item was built without its query-agnostic turns")
+        return self.turns.second
 
 
 # ------------------------------------------------------------------------ samples
@@ -77,13 +105,15 @@ def prompt_ids(sample: Sample, tokenizer: Any, chat: bool) -> list[int]:
 def build_items(grid: Grid, tokenizer: Any, settings: RunSettings) -> dict[tuple, Item]:
     """Every sample of the grid by (task, length, seed); all methods share them."""
     items: dict[tuple, Item] = {}
+    agnostic = QUERY_AGNOSTIC in grid.modes
     for task in grid.tasks:
         for length in grid.lengths:
             for seed, depth in zip(grid.seeds(), grid.depths(task)):
                 sample = generate(task, tokenizer, length, seed, depth)
                 max_tokens = settings.max_tokens or max_tokens_for(sample, tokenizer)
                 ids = prompt_ids(sample, tokenizer, settings.chat)
-                items[(task, length, seed)] = Item(sample, length, ids, max_tokens)
+                turns = turn_ids(sample, tokenizer, settings.chat) if agnostic else None
+                items[(task, length, seed)] = Item(sample, length, ids, max_tokens, turns)
     return items
 
 
@@ -115,8 +145,9 @@ def model_identity_of(source: Any) -> dict[str, Any]:
 
 
 def record_key(rec: dict[str, Any]) -> Key:
-    """The key of a stored record."""
-    return make_key(rec["method"], rec["ratio"], rec["task"], rec["length"], rec["seed"])
+    """The key of a stored record (records without a mode are query-aware)."""
+    mode = rec.get("mode", QUERY_AWARE)
+    return make_key(rec["method"], rec["ratio"], rec["task"], rec["length"], rec["seed"], mode)
 
 
 def load_records(path: Path) -> list[dict[str, Any]]:
@@ -132,7 +163,7 @@ def load_records(path: Path) -> list[dict[str, Any]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not a JSON record ({e})") from e
-            missing = [k for k in (*KEY_FIELDS, "prompt_hash", "score") if k not in rec]
+            missing = [k for k in RECORD_FIELDS if k not in rec]
             if missing:
                 raise ValueError(f"{path}:{n}: the record lacks {', '.join(missing)}")
             records.append(rec)
@@ -172,6 +203,7 @@ def make_record(cell: Cell, item: Item, output: Any, ident: dict[str, Any]) -> d
     s = item.sample
     value = score(s, output.text)
     return {
+        "mode": cell.mode,
         "task": s.task,
         "length": item.length,
         "seed": s.seed,
@@ -180,7 +212,7 @@ def make_record(cell: Cell, item: Item, output: Any, ident: dict[str, Any]) -> d
         "ratio": cell.ratio,
         "budget": cell.budget(item.length),
         "prompt_hash": prompt_hash(s),
-        "num_tokens": len(item.ids),
+        "num_tokens": len(item.prompt(cell.mode)),
         "output": output.text,
         "answers": list(s.answers),
         "score": value,
@@ -204,22 +236,50 @@ def append_records(path: Path, records: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------------------ engines
 
 
+def two_turn_fields(turns: Turns, output: TwoTurnOutput) -> dict[str, Any]:
+    """What a query-agnostic record adds: the turn lengths and what the cache lent turn 2."""
+    return {
+        "context_tokens": len(turns.first),
+        "cached_tokens": output.output.num_cached_tokens,
+        "chain_status": output.output.chain_status,
+        "context_kv_slots": output.context_kv_slots,
+    }
+
+
+def generate_cell(llm: Any, cell: Cell, items: list[Item]) -> tuple[list[Any], list[dict]]:
+    """Every item's output: in one `generate` call, or as two turns each (query-agnostic);
+    with the extra record fields of each."""
+    params = [SamplingParams(temperature=0.0, max_tokens=it.max_tokens) for it in items]
+    if cell.mode != QUERY_AGNOSTIC:
+        return llm.generate([it.ids for it in items], params, use_tqdm=False), [{}] * len(items)
+    turns = [it.turns for it in items if it.turns is not None]
+    if len(turns) != len(items):
+        raise ValueError("query-agnostic items need their turns (build_items with that mode)")
+    two = run_two_turns(llm.engine, turns, params)
+    check_continued(llm.engine, two)
+    return [t.output for t in two], [two_turn_fields(tt, t) for tt, t in zip(turns, two)]
+
+
 def run_cell(cell: Cell, items: list[Item], settings: RunSettings) -> tuple[list, dict]:
-    """Build the cell's engine, generate every item in one call, score: (records, timing)."""
+    """Build the cell's engine, generate every item, score: (records, timing)."""
     t0 = time.perf_counter()
     llm = LLM(settings.model, **settings.engine_kwargs(cell))
     load_s = time.perf_counter() - t0
-    params = [SamplingParams(temperature=0.0, max_tokens=it.max_tokens) for it in items]
     t0, cpu0 = time.perf_counter(), time.process_time()
-    outputs = llm.generate([it.ids for it in items], params, use_tqdm=False)
+    outputs, extra = generate_cell(llm, cell, items)
     generate_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     for it, out in zip(items, outputs):
         if out.finish_reason in ("error", "abort"):
-            key = make_key(cell.method, cell.ratio, it.sample.task, it.length, it.sample.seed)
+            s = it.sample
+            key = make_key(cell.method, cell.ratio, s.task, it.length, s.seed, cell.mode)
             raise RuntimeError(f"{describe(key)}: generation failed: {out.error}")
-    records = [make_record(cell, it, out, settings.ident) for it, out in zip(items, outputs)]
+    records = [
+        {**make_record(cell, it, out, settings.ident), **more}
+        for it, out, more in zip(items, outputs, extra)
+    ]
     runner, stats = llm.engine.runner, llm.stats()
     timing = {
+        "mode": cell.mode,
         "method": cell.method,
         "ratio": cell.ratio,
         "length": cell.length,
@@ -227,7 +287,7 @@ def run_cell(cell: Cell, items: list[Item], settings: RunSettings) -> tuple[list
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
         "num_samples": len(items),
-        "prompt_tokens": sum(len(it.ids) for it in items),
+        "prompt_tokens": sum(len(it.prompt(cell.mode)) for it in items),
         "output_tokens": sum(len(o.token_ids) for o in outputs),
         "load_s": load_s,
         "generate_s": generate_s,
@@ -244,11 +304,8 @@ def run_cell(cell: Cell, items: list[Item], settings: RunSettings) -> tuple[list
 
 def pending_items(grid: Grid, cell: Cell, items: dict[tuple, Item], done: dict) -> list[Item]:
     """The cell's samples without a record yet."""
-    return [
-        items[(task, length, seed)]
-        for (_, _, task, length, seed) in grid.cell_keys(cell)
-        if make_key(cell.method, cell.ratio, task, length, seed) not in done
-    ]
+    keys = [key for key in grid.cell_keys(cell) if key not in done]
+    return [items[(task, length, seed)] for _, _, task, length, seed, _ in keys]
 
 
 def run_grid(
