@@ -1,9 +1,9 @@
 """Greedy tokens of every method equal a recording made before the architecture change
 (`greedy_baseline.json`, written by `record_greedy.py` at commit fada5d5): two tiny
-models and the bundled default model, small budgets, chunked prefill. H2O's and TOVA's cases were
-recorded again when their definition changed on purpose (they select once at the prompt's
-end instead of at every chunk: tests/sparse/test_chunk_independence.py); every other
-case is still fada5d5's."""
+models and the bundled default model, small budgets, chunked prefill. H2O's and TOVA's
+cases were recorded again when their definition changed on purpose (they select once at
+the prompt's end instead of at every chunk: tests/sparse/test_chunk_independence.py);
+every other case is still fada5d5's."""
 
 from __future__ import annotations
 
