@@ -16,8 +16,9 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.kv.dense import DenseStorage
-from sparsevllm.sparse.base import ScoreEviction, SeqStep
+from sparsevllm.sparse.base import SeqStep
 from sparsevllm.sparse.registry import create_method
+from sparsevllm.sparse.score_eviction import ScoreEviction
 
 
 def make_method(method: str, num_layers: int, num_kv_heads: int, **knobs) -> ScoreEviction:

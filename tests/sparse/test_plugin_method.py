@@ -14,8 +14,8 @@ import torch
 
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.cli import main
-from sparsevllm.sparse.base import ScoreEviction
 from sparsevllm.sparse.registry import method_names, register_method, unregister_method
+from sparsevllm.sparse.score_eviction import ScoreEviction
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 

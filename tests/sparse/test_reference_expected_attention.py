@@ -20,7 +20,8 @@ from eviction_harness import by_score, make_method, ref_keep
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_pool import KVPool
 from sparsevllm.kv.dense import DenseStorage
-from sparsevllm.sparse.base import ScoreEviction, SeqStep
+from sparsevllm.sparse.base import SeqStep
+from sparsevllm.sparse.score_eviction import ScoreEviction
 
 HQ, HKV, D, LAYERS = 4, 2, 8, 2
 SCALE = 1.25  # a YaRN-style attention factor on cos/sin: must cancel

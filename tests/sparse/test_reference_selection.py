@@ -16,9 +16,10 @@ import torch
 
 from sparsevllm.attention.torch_ref import attention_mass
 from sparsevllm.config import EngineConfig
-from sparsevllm.sparse.base import SeqStep, select_keep
+from sparsevllm.sparse.base import SeqStep
 from sparsevllm.sparse.knorm import KNorm
 from sparsevllm.sparse.omnikv import OmniKV, omnikv_pick
+from sparsevllm.sparse.score_eviction import select_keep
 from sparsevllm.sparse.streamingllm import StreamingLLM, streaming_keep
 from sparsevllm.sparse.tova import TOVA
 

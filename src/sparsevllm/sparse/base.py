@@ -40,7 +40,8 @@ The host (runner, scheduler) asks a method what it needs and never which method 
 - `on_compressed`, `export_state`, `import_state`: keep per-token state aligned when
   an idle chain is pruned, and save/restore it for the disk tier.
 
-A score-based eviction method subclasses `ScoreEviction` and writes one `score(...)`.
+A score-based eviction method subclasses `ScoreEviction` (sparse/score_eviction.py) and
+writes one `score(...)`.
 """
 
 from __future__ import annotations
@@ -357,104 +358,3 @@ def pack_views(
         subset[i, :, :n] = p.to(device=device, dtype=torch.int32).expand(num_kv_heads, n)
         lens.append(n)
     return subset, torch.tensor(lens, dtype=torch.int32, device=device)
-
-
-def gqa_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """`[num_heads, L]` -> `[num_kv_heads, L]`: mean over each KV head's query heads."""
-    h, length = scores.shape
-    return scores.view(num_kv_heads, h // num_kv_heads, length).mean(dim=1)
-
-
-def add_padded(acc: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    """Sum score vectors of different lengths (a later chunk sees more keys)."""
-    if acc is None:
-        return new.float().clone()
-    out = new.float().clone()
-    out[:, : acc.shape[-1]] += acc
-    return out
-
-
-def select_keep(scores: torch.Tensor, budget: int, sink: int, recent: int) -> torch.Tensor:
-    """Per-head keep set: sink + recent always, then the top-scoring middle tokens.
-
-    scores: `[H, L]` (higher is kept). Returns `[H, min(budget, L)]` ascending positions.
-    """
-    h, length = scores.shape
-    if budget >= length:
-        return torch.arange(length, device=scores.device).expand(h, length)
-    sink = min(sink, budget)
-    recent = min(recent, budget - sink)
-    middle = budget - sink - recent
-    parts = [torch.arange(sink, device=scores.device).expand(h, sink)]
-    if middle > 0:
-        mid_scores = scores[:, sink : length - recent]
-        top = mid_scores.topk(middle, dim=-1).indices + sink
-        parts.append(top)
-    parts.append(torch.arange(length - recent, length, device=scores.device).expand(h, recent))
-    return torch.cat(parts, dim=-1).sort(dim=-1).values
-
-
-class ScoreEviction(SparseMethod):
-    """Score every resident token per KV head and keep a budget (sink + top + recent).
-
-    Subclasses implement `score` and may change when compression happens
-    (`should_compress`) and the per-layer budget (`layer_budget`).
-    """
-
-    per_layer_groups = True
-
-    def layer_budget(self, layer: int) -> int:
-        return self.config.decode_keep_tokens
-
-    def may_compress(self, step: SeqStep) -> bool:
-        """Cheap per-step test before `should_compress` is asked for every layer (a decode
-        step of a large batch would otherwise cost num_seqs x num_layers calls)."""
-        return step.finishes_prompt
-
-    def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
-        return step.finishes_prompt and resident > self.layer_budget(layer)
-
-    def max_resident(self, prompt_len: int, max_tokens: int) -> int:
-        # The whole prompt is resident until prefill ends; then budget + generated tokens.
-        budget = max(self.layer_budget(layer) for layer in self.layers)
-        return max(prompt_len, min(prompt_len, budget) + max_tokens)
-
-    def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
-        budget = max(self.layer_budget(layer) for layer in self.layers)
-        return min(prompt_len, budget) + max_tokens
-
-    def score(
-        self, layer: int, step: SeqStep, kv: KVAccess, attn: torch.Tensor | None
-    ) -> torch.Tensor:
-        """`[num_kv_heads, L]` importance of each resident token (higher is kept).
-
-        `attn` is this layer's `[num_heads, L]` score rows of the step (None when the
-        method asked for none); a method that scores keys reads them itself
-        (`kv.keys(step.seq_id, layer)`), so the others pay no gather."""
-        raise NotImplementedError
-
-    def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
-        for step in steps:
-            if not self.may_compress(step):
-                continue
-            for layer in self.layers:
-                resident = kv.resident(step.seq_id, layer)
-                if not self.should_compress(step, resident, layer):
-                    continue
-                attn = scores.get(layer, [None] * (step.row + 1))[step.row]
-                self.compress(layer, step, kv, attn)
-
-    def compress(self, layer: int, step: SeqStep, kv: KVAccess, attn: torch.Tensor | None) -> None:
-        """Score one layer of the sequence and keep its budget per KV head."""
-        s = self.score(layer, step, kv, attn)
-        keep = select_keep(
-            s,
-            self.layer_budget(layer),
-            self.config.sink_keep_tokens,
-            self.config.recent_keep_tokens,
-        )
-        kv.keep_per_head(step.seq_id, layer, keep)
-        self.on_compressed(step.seq_id, layer, keep)
-
-    def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
-        """Hook for methods with per-token state that must follow the compaction."""

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from sparsevllm.kv.layout import MLA_LATENT
-from sparsevllm.sparse.base import KVAccess, MethodSettings, ScoreEviction, SeqStep
+from sparsevllm.sparse.base import KVAccess, MethodSettings, SeqStep
+from sparsevllm.sparse.score_eviction import ScoreEviction
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 

@@ -16,15 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsevllm.sparse.base import (
-    KVAccess,
-    MethodSettings,
-    RowScores,
-    SeqStep,
-    add_padded,
-    gqa_mean,
-)
+from sparsevllm.sparse.base import KVAccess, MethodSettings, RowScores, SeqStep
 from sparsevllm.sparse.interval import IntervalEviction
+from sparsevllm.sparse.score_eviction import add_padded, gqa_mean
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 

@@ -5,7 +5,8 @@ chunk_prefill_size); only its generated tokens are evicted in bursts."""
 
 from __future__ import annotations
 
-from sparsevllm.sparse.base import ScoreEviction, SeqStep
+from sparsevllm.sparse.base import SeqStep
+from sparsevllm.sparse.score_eviction import ScoreEviction
 
 
 class IntervalEviction(ScoreEviction):

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from sparsevllm.sparse.base import KVAccess, ScoreEviction, SeqStep
+from sparsevllm.sparse.base import KVAccess, SeqStep
+from sparsevllm.sparse.score_eviction import ScoreEviction
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec
 
 _EPS = 1e-12  # zero keys (and a zero anchor) have cosine 0 instead of NaN

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.kv.layout import MLA_LATENT
-from sparsevllm.sparse.base import KVAccess, ScoreEviction, SeqStep
+from sparsevllm.sparse.base import KVAccess, SeqStep
+from sparsevllm.sparse.score_eviction import ScoreEviction
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec
 
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsevllm.sparse.base import KVAccess, ScoreEviction, SeqStep
+from sparsevllm.sparse.base import KVAccess, SeqStep
+from sparsevllm.sparse.score_eviction import ScoreEviction
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 _MIN_RANGE = 1e-6  # a reference channel with (almost) no range: deviations stay finite

@@ -37,14 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsevllm.sparse.base import (
-    KVAccess,
-    MethodSettings,
-    RowScores,
-    SeqStep,
-    gqa_mean,
-)
+from sparsevllm.sparse.base import KVAccess, MethodSettings, RowScores, SeqStep
 from sparsevllm.sparse.interval import IntervalEviction
+from sparsevllm.sparse.score_eviction import gqa_mean
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 _EPS = 1e-12  # zero keys have cosine 0 instead of NaN

@@ -20,15 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sparsevllm.sparse.base import (
-    KVAccess,
-    MethodSettings,
-    RowScores,
-    ScoreEviction,
-    SeqStep,
-    add_padded,
-    gqa_mean,
-)
+from sparsevllm.sparse.base import KVAccess, MethodSettings, RowScores, SeqStep
+from sparsevllm.sparse.score_eviction import ScoreEviction, add_padded, gqa_mean
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 
