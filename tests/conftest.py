@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparsevllm.engine import devices
+
+NATIVE_CPU_BF16 = devices.cpu_computes_bfloat16
+
 TINY = dict(
     vocab_size=256,
     hidden_size=64,
@@ -32,6 +36,24 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_cpu_by_default():
+    """`dtype="auto"` computes in float32 on the CPU in tests, whatever CPU runs them (on
+    one with native bfloat16 it would pick bfloat16, engine/devices.py): the suite's exact
+    comparisons between code paths and with HF are float32 ones. Session-scoped, so that
+    module-scoped engines are built under it too. Tests of the CPU's own choice take the
+    `native_cpu_dtype` fixture; tests of the bfloat16 path ask for `dtype="bfloat16"`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(devices, "cpu_computes_bfloat16", lambda: False)
+        yield
+
+
+@pytest.fixture
+def native_cpu_dtype(monkeypatch):
+    """Undo `float32_cpu_by_default` for one test."""
+    monkeypatch.setattr(devices, "cpu_computes_bfloat16", NATIVE_CPU_BF16)
 
 
 # Mixture-of-experts sizes: 8 experts of 32, 2 per token.

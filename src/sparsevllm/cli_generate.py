@@ -161,7 +161,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = build_prompts(inputs, args.system, llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    summary = _summary(outputs, time.perf_counter() - start)
+    summary = _summary(outputs, time.perf_counter() - start) | _runtime(llm)
     stats = llm.stats()
     if args.json:
         report = {
@@ -175,6 +175,19 @@ def run_generate(args: argparse.Namespace) -> int:
         return 0
     _print_text(outputs, summary, stats, llm.tokenizer)
     return 0
+
+
+def _runtime(llm: Any) -> dict[str, Any]:
+    """Where and in what the engine computed (dtype auto resolves per device and CPU)."""
+    import torch
+
+    runner = llm.engine.runner
+    threads = torch.get_num_threads() if runner.device.type == "cpu" else None
+    return {
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "cpu_threads": threads,
+    }
 
 
 def _summary(outputs: list[Any], elapsed: float) -> dict[str, Any]:
@@ -240,6 +253,8 @@ def _print_text(outputs: list[Any], summary: dict[str, Any], stats: dict, tokeni
         summary["output_tokens"],
         summary["elapsed_s"],
     )
+    threads = f", {summary['cpu_threads']} threads" if summary["cpu_threads"] else ""
+    print(f"--- {summary['device']}, {summary['dtype']}{threads}")
     if dec is None:
         print(f"--- {n_out} tokens in {elapsed:.2f} s")
         return

@@ -35,9 +35,11 @@ FIELD_HELP: dict[str, str] = {
     "tokenizer": "Tokenizer directory or .gguf file (default: the model's own).",
     "load_format": "Weight format: auto (by path), hf (safetensors directory), gguf, or dummy "
     "(random weights of the config's shapes).",
-    "dtype": "Compute and KV dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
-    "float16, bfloat16.",
+    "dtype": "Compute and KV dtype: auto (bfloat16 on CUDA and on CPUs with native bfloat16, "
+    "AVX512-BF16 or AMX; float32 on other CPUs), float32, float16, bfloat16.",
     "device": "Device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.",
+    "cpu_threads": "Threads a CPU engine computes with (default: the cores of the process's "
+    "CPU affinity that no other process keeps busy, or OMP_NUM_THREADS when set).",
     "seed": "Seed for dummy weights and for sampling of requests without their own seed.",
     "max_model_len": "Longest sequence (prompt + output) a request may reach "
     "(default: the model's max_position_embeddings, capped at 32768).",
@@ -111,6 +113,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
+    cpu_threads: int | None = None
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -146,7 +149,7 @@ class EngineConfig:
         _check_type("seed", self.seed, int)
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_prefill_size"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_kv_slots"):
+        for name in ("max_model_len", "num_kv_slots", "cpu_threads"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.kv_cache_memory_gb is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import time
 
+import torch
+
 from sparsevllm import LLM, SamplingParams
 
 FILLER = (
@@ -37,7 +39,14 @@ def report(title: str, outputs: list, elapsed: float, llm: LLM) -> None:
 
 
 def main() -> None:
-    llm = LLM(dtype="float32")
+    llm = LLM()  # dtype auto: bfloat16 on CUDA and on CPUs that compute it natively
+    runner = llm.engine.runner
+    threads = f", {torch.get_num_threads()} threads" if runner.device.type == "cpu" else ""
+    print(
+        f"SmolLM2-135M-Instruct on {runner.device.type} in {runner.dtype}{threads}".replace(
+            "torch.", ""
+        )
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=96)
     llm.engine.pool.reset_peak()
     start = time.perf_counter()

@@ -52,6 +52,10 @@ class ForwardBatch:
     _single_query_rows: tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False
     )
+    # padded_views per layer group, built on first use in the step.
+    _padded_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -80,6 +84,19 @@ class ForwardBatch:
                 torch.tensor(ones, device=device),
             )
         return self._single_query_rows
+
+    def padded_views(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's view in a layer group padded to the longest: slot ids
+        `[S, Lmax]` (0 past a view's end) and where they are real `[S, Lmax]` bool. Built
+        once per step: every layer of the group reads the same slots."""
+        if group not in self._padded_views:
+            device = self.tables.device
+            lens = torch.tensor(self.view_lens[group], device=device)  # [S]
+            cols = torch.arange(int(lens.max()), device=device)  # [Lmax]
+            real = cols[None, :] < lens[:, None]  # [S, Lmax]
+            slots = self.tables[group, self.rows_t, : cols.shape[0]].long()  # [S, Lmax]
+            self._padded_views[group] = (torch.where(real, slots, 0), real)
+        return self._padded_views[group]
 
 
 class AttentionBackend(abc.ABC):

@@ -38,8 +38,10 @@ class TorchRefBackend(AttentionBackend):
         storage.store(k, v, batch.slot_mapping[group])
         if window is None:  # sparse methods leave sliding-window layers alone
             batch.sparse.hand_queries(layer, q, batch.q_starts, batch.q_lens)
-        out = q.new_empty(*q.shape[:2], v.shape[-1])  # [T, Hq, Dv] (MLA: Dv < D)
         picks = _selection(layer, q, batch) if window is None else None
+        if picks is None and _batched_decode(layer, batch, window):
+            return attend_decode_batch(q, storage, batch, group, scale, window)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])  # [T, Hq, Dv] (MLA: Dv < D)
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
             view = batch.view(group, i)
             # Sparse methods leave sliding-window layers alone: no scores, no selection.
@@ -67,6 +69,45 @@ class TorchRefBackend(AttentionBackend):
                 v_i = torch.cat([v_i[:-n], v[own].to(v_i.dtype)])
             out[start : start + n] = attend(q_i, k_i, v_i, scale, window, key_mask)
         return out
+
+
+def _batched_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:
+    """Whether every sequence decodes one token over its whole view with no scores asked:
+    one padded attention then serves them all (the per-sequence loop costs ~8 operators
+    per sequence and layer, most of a CPU decode step's overhead at batch 16)."""
+    if batch.num_seqs < 2 or not batch.decode_only:
+        return False
+    return window is not None or not any(
+        batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs)
+    )
+
+
+def attend_decode_batch(
+    q: torch.Tensor,
+    storage: KVStorage,
+    batch: ForwardBatch,
+    group: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Single-query attention of every sequence over its view, padded to the longest:
+    q `[S, Hq, D]` -> `[S, Hq, Dv]`. Table entries past a view's end are masked out."""
+    s, hq = q.shape[:2]
+    slots, visible = batch.padded_views(group)  # [S, Lmax] each
+    width = slots.shape[1]
+    if window is not None:  # the query (entry L - 1) sees itself and window - 1 before it
+        lens = visible.sum(dim=1, keepdim=True)  # [S, 1]
+        cols = torch.arange(width, device=q.device)[None, :]
+        visible = visible & (cols > lens - 1 - window)
+    slots = slots.reshape(-1)
+    k, v = storage.read(slots)  # [S * Lmax, Hkv, D], [S * Lmax, Hkv, Dv]
+    hkv = k.shape[1]
+    kt = k.to(q.dtype).view(s, width, hkv, -1).transpose(1, 2)  # [S, Hkv, Lmax, D]
+    vt = v.to(q.dtype).view(s, width, hkv, -1).transpose(1, 2)
+    qf = q.view(s, hkv, hq // hkv, q.shape[-1])  # [S, Hkv, G, D]: GQA folded as in attend
+    mask = visible[:, None, None, :]  # [S, 1, 1, Lmax]
+    out = F.scaled_dot_product_attention(qf, kt, vt, attn_mask=mask, scale=scale)
+    return out.reshape(s, hq, -1)
 
 
 def _selection(

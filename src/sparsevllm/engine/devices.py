@@ -17,6 +17,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA, and on a CPU that computes it natively; float32 else."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or cpu_computes_bfloat16()
+        return torch.bfloat16 if native else torch.float32
     return _DTYPES[name]
+
+
+def cpu_computes_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX): without it bfloat16
+    is emulated through float32 and is slower than float32 itself."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

@@ -11,6 +11,7 @@ from sparsevllm.config import EngineConfig
 from sparsevllm.engine.auto_budget import AutoBudgets
 from sparsevllm.engine.cache.store import NO_CLAIM, PruneResult, store_stats
 from sparsevllm.engine.capacity import CapacityPlan, resolve_max_model_len
+from sparsevllm.engine.cpu_threads import apply_cpu_threads
 from sparsevllm.engine.devices import resolve_device
 from sparsevllm.engine.kv_pool import KVPool, shuffle_seed
 from sparsevllm.engine.output_processor import OutputProcessor
@@ -37,7 +38,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        resolve_device(config.device)  # e.g. cuda on a machine without: fail before loading
+        device = resolve_device(config.device)  # e.g. cuda on a machine without: fail early
+        if device.type == "cpu":  # before loading: the sample must not see our own work
+            apply_cpu_threads(config.cpu_threads)
         self.source = load_model_source(config.model, config.tokenizer, config.load_format)
         self.tokenizer = self.source.tokenizer
         self.eos_token_ids = self.source.eos_token_ids

@@ -84,10 +84,10 @@ class KVStorage(abc.ABC):
         return self.read_keys(slots), self.read_values(slots)
 
     def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.dequantize(self.k[slots], _at(self.k_scale, slots))
+        return self.dequantize(rows_at(self.k, slots), _at(self.k_scale, slots))
 
     def read_values(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.dequantize(self.v[slots], _at(self.v_scale, slots))
+        return self.dequantize(rows_at(self.v, slots), _at(self.v_scale, slots))
 
     def read_head_keys(self, slots: torch.Tensor, head: int) -> torch.Tensor:
         """Keys of one KV head at slot ids `[L]`: `[L, D]` in the compute dtype."""
@@ -131,7 +131,15 @@ class KVStorage(abc.ABC):
 
 
 def _at(scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor | None:
-    return None if scale is None else scale[slots]
+    return None if scale is None else rows_at(scale, slots)
+
+
+def rows_at(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`buf[slots]` for slot ids `[...]` (non-negative): `[..., *buf.shape[1:]]`. Through
+    `index_select`, which on the CPU gathers a few hundred rows 4-25x faster than advanced
+    indexing (the reference backend reads every view this way)."""
+    flat = buf.index_select(0, slots.reshape(-1))
+    return flat.view(*slots.shape, *buf.shape[1:])
 
 
 StorageFactory = Callable[["KVFormat", int, int, int, torch.dtype, torch.device], KVStorage]

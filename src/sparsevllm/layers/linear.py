@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparsevllm.layers.cpu_linear import PackedLinear, pack_weight, packed_linear
+
 
 class Projections:
     """`linears` (same input features) applied to one input: one by one until `fuse()`,
@@ -24,6 +26,7 @@ class Projections:
         self.sizes = [lin.out_features for lin in linears]
         self.weight: torch.Tensor | None = None  # [sum(out), in] once fused
         self.bias: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # oneDNN's layout of `weight` (CPU bf16)
 
     def fuse(self) -> None:
         with torch.no_grad():
@@ -41,6 +44,8 @@ class Projections:
         """`x` `[T, in]` -> one `[T, out_i]` tensor per projection (fused: strided views)."""
         if self.weight is None:
             return tuple(lin(x) for lin in self.linears)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias).split(self.sizes, dim=-1)
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
@@ -53,3 +58,23 @@ def fuse_projections(model: nn.Module) -> None:
         for value in vars(module).values():
             if isinstance(value, Projections) and value.weight is None:
                 value.fuse()
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack (`layers/cpu_linear.py`) every fused `Projections` and every other
+    `nn.Linear` of a loaded, fused bfloat16 model on the CPU; returns how many weights."""
+    fused: set[int] = set()
+    count = 0
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, Projections) and value.weight is not None:
+                value.packed = pack_weight(value.weight)
+                fused.update(id(lin) for lin in value.linears)
+                count += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            # A fused projection's own linears are never called (their weights are views).
+            if type(child) is nn.Linear and id(child) not in fused:
+                setattr(parent, name, PackedLinear(child))
+                count += 1
+    return count

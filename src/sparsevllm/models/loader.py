@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsevllm.layers.linear import fuse_projections
+from sparsevllm.layers.cpu_linear import packing_applies
+from sparsevllm.layers.linear import fuse_projections, pack_linears
 from sparsevllm.models.registry import model_class_for
 
 
@@ -196,6 +197,8 @@ def build_model(
         state = _state_dict(source)
         remap = getattr(model, "remap_checkpoint", None)  # e.g. multimodal Gemma 3 names
         load_weights(model, remap(state) if remap is not None else state)
+    if packing_applies(device, dtype):
+        pack_linears(model)
     return model.eval()
 
 

