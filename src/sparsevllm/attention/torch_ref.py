@@ -37,7 +37,7 @@ class TorchRefBackend(AttentionBackend):
         storage = self.storage[layer]
         storage.store(k, v, batch.slot_mapping[group])
         if window is None:  # sparse methods leave sliding-window layers alone
-            batch.sparse.hand_queries(layer, q, batch.q_starts, batch.q_lens)
+            batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
         out = q.new_empty(*q.shape[:2], v.shape[-1])  # [T, Hq, Dv] (MLA: Dv < D)
         picks = _selection(layer, q, batch) if window is None else None
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
