@@ -19,10 +19,12 @@ import copy
 import pytest
 import torch
 
+from engine_helpers import MATRIX_PROMPTS, METHOD_KNOBS
 from eviction_harness import ref_keep
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.sparse.kvzip import KVzip, KVzipKnobs, prune_scores, reconstruction_scores
+from sparsevllm.sparse.registry import method_spec
 
 PROMPTS = [[1] + [(7 * j) % 240 + 10 for j in range(60)], [1] + list(range(100, 140))]
 KNOBS = dict(
@@ -227,3 +229,59 @@ def test_prune_scores_match_a_loop():
             p = (keys[cols, h].double() @ keys[i, h].double() / 8**0.5).softmax(dim=0)
             want[h, cols] = torch.maximum(want[h, cols], p)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_mixed_batch_gives_each_request_its_methods_tokens(tiny_model_factory):
+    """KVzip rows beside SnapKV, H2O and vanilla rows in chunked, batched steps: each
+    request gets the tokens of an engine serving only its method (the pass of one row
+    leaves the others' KV alone)."""
+    model = tiny_model_factory("llama4")
+    methods = ["kvzip", "snapkv", "kvzip", "vanilla", "h2o", "kvzip", "vanilla", "kvzip"]
+    prompts = (MATRIX_PROMPTS + [p[:-2] + [7, 8] for p in MATRIX_PROMPTS])[: len(methods)]
+    greedy = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want: dict[int, list[int]] = {}
+    for method in set(methods):
+        idx = [i for i, m in enumerate(methods) if m == method]
+        llm = LLM(model, sparse_method=method, chunk_prefill_size=7, **METHOD_KNOBS[method])
+        outs = llm.generate([prompts[i] for i in idx], SamplingParams(**greedy), use_tqdm=False)
+        want.update({i: o.token_ids for i, o in zip(idx, outs)})
+
+    def params(method: str) -> SamplingParams:
+        spec = method_spec(method)
+        knobs = {k: v for k, v in METHOD_KNOBS[method].items() if k in spec.settings}
+        return SamplingParams(**greedy, sparse_method=method, sparse_knobs=knobs)
+
+    # The engine's own kvzip settings size the pass's scratch slots (a request may not
+    # ask for longer inputs).
+    kvzip = {"sparse_method": "kvzip", "kvzip_chunk_size": 16}
+    llm = LLM(model, **kvzip, sparse_methods=["vanilla", "snapkv", "h2o"], chunk_prefill_size=7)
+    outs = llm.generate(prompts, [params(m) for m in methods], use_tqdm=False)
+    assert [o.token_ids for o in outs] == [want[i] for i in range(len(methods))]
+    assert llm.stats()["scoring_passes"] == 3  # the long kvzip prompts (one fits its budget)
+
+
+def test_sliding_window_model_without_a_tokenizer(tmp_path, monkeypatch):
+    """Gemma 3 (sliding layers in window groups; no tokenizer: the instructions are
+    dropped, the pass replays the context alone). A pass that evicts nothing leaves
+    vanilla's tokens; one that evicts keeps the budget in the global layers only."""
+    from tiny_gemma3 import WINDOW, save_tiny_gemma3
+
+    model = save_tiny_gemma3(tmp_path / "gemma3")
+    prompts = [[1] + [(7 * i + 3) % 250 + 5 for i in range(39)], [1] + list(range(60, 90))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    common = dict(enable_prefix_caching=False, chunk_prefill_size=7)
+    van = LLM(model, **common).generate(prompts, greedy, use_tqdm=False)
+    with monkeypatch.context() as m:
+        m.setattr(KVzip, "evicts", lambda self, resident: True)
+        knobs = dict(decode_keep_tokens=4096, kvzip_overlap_tokens=0)
+        llm = LLM(model, sparse_method="kvzip", **knobs, **common)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in van]
+    assert llm.stats()["scoring_tokens"] == sum(map(len, prompts))  # no text: no tokenizer
+    knobs = dict(decode_keep_tokens=12, recent_keep_tokens=4, kvzip_chunk_size=8)
+    llm = LLM(model, sparse_method="kvzip", **knobs, **common)
+    engine = llm.engine
+    engine.add_request(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.scheduler.waiting or engine.scheduler.running[0].num_computed_tokens < 40:
+        engine.step()
+    assert engine.stats()["kv_slots_used_per_layer"] == [WINDOW - 1, 12, WINDOW - 1, 12]
