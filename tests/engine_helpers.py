@@ -52,6 +52,7 @@ METHOD_KNOBS: dict[str, dict[str, Any]] = {
         "recent_keep_tokens": 8,
         "expected_attention_n_future": 16,
     },
+    "kvzip": {"decode_keep_tokens": 24, "recent_keep_tokens": 8, "kvzip_chunk_size": 16},
     "h2o": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "sink_keep_tokens": 2},
     "rkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 4, "rkv_interval": 8},
     "tova": {"decode_keep_tokens": 24, "recent_keep_tokens": 0, "sink_keep_tokens": 0},

@@ -25,6 +25,18 @@ def test_report_counts_the_run(tiny_llama: str, tmp_path: Path) -> None:
     assert r["peak_kv_slots"] >= 3 * 40 and 0 < r["roofline_step_s"]
 
 
+def test_kvzip_reports_its_reconstruction_cost(tiny_llama: str, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    args = ["bench", "throughput", "--model", tiny_llama, "--prompt-len", "64"]
+    args += ["--output-len", "4", "--batch-size", "2", "--dtype", "float32"]
+    args += ["--sparse-method", "kvzip", "--decode-keep-tokens", "48", "--kvzip-chunk-size", "16"]
+    assert main(args + ["--json", str(out)]) == 0
+    cost = json.loads(out.read_text())["scoring_pass"]
+    # Two prompts of 64 tokens, four chunks each, every chunk behind its instruction.
+    assert (cost["scoring_passes"], cost["scoring_forwards"]) == (2, 8)
+    assert cost["tokens_per_prompt_token"] > 1 and cost["time_over_plain_prefill"] > 0
+
+
 def test_sweep_reuses_one_engine_and_plots(tiny_llama: str, tmp_path: Path) -> None:
     out = tmp_path / "s.json"
     args = ["bench", "throughput", "--model", tiny_llama, "--sweep-prompt-lens", "96,32,64"]

@@ -43,7 +43,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("kind", ["radix", "chain"])
 @pytest.mark.parametrize(
-    "method", ["knorm", "snapkv", "streamingllm", "keydiff", "lagkv", "strided"]
+    "method", ["knorm", "snapkv", "streamingllm", "keydiff", "lagkv", "strided", "kvzip"]
 )
 def test_pruned_history_frees_slots_and_the_next_turn_still_hits(model, kind, method):
     llm = LLM(model, **CONFIGS[kind])

@@ -16,6 +16,8 @@ KNOBS = {
     "tova": {"decode_keep_tokens": 512},
     "h2o": {"decode_keep_tokens": 512, "recent_keep_tokens": 32},
     "rkv": {"decode_keep_tokens": 512, "recent_keep_tokens": 32},
+    # Its reconstruction is chunked by its own knob, never by chunk_prefill_size.
+    "kvzip": {"decode_keep_tokens": 512, "kvzip_chunk_size": 512},
 }
 
 

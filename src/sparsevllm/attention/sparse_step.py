@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 # select_views(layer, q [S, num_heads, head_dim], batch) -> (subset [S, Hkv, B] int32,
 # lens [S] or [S, Hkv] int32) context positions each sequence's single query reads, or
 # None for the whole views (the contract is SparseMethod.select_views).
-# observe_queries(layer, row, q [n, num_heads, head_dim]): a row's newest n queries,
-# post-RoPE, handed to its method (SparseMethod.observe_queries).
-ObserveQueries: TypeAlias = "Callable[[int, int, torch.Tensor], None]"
+# observe_queries(layer, row, q [n, num_heads, head_dim], k [n, num_kv_heads, head_dim],
+# scale): a row's newest n queries and their keys, post-RoPE, and the layer's attention
+# scale, handed to its method (SparseMethod.observe_queries, or observe_scoring in a
+# scoring pass).
+ObserveQueries: TypeAlias = "Callable[[int, int, torch.Tensor, torch.Tensor, float], None]"
 SelectViews: TypeAlias = (
     "Callable[[int, torch.Tensor, ForwardBatch], tuple[torch.Tensor, torch.Tensor] | None]"
 )
@@ -99,16 +101,23 @@ class SparseStep:
         return self.score_rows[i]
 
     def hand_queries(
-        self, layer: int, q: torch.Tensor, q_starts: list[int], q_lens: list[int]
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        scale: float,
+        q_starts: list[int],
+        q_lens: list[int],
     ) -> None:
-        """Give each asking sequence's newest queries at `layer` to its method; q is the
-        step's `[T, num_heads, head_dim]` post-RoPE queries (what the backend attends)."""
+        """Give each asking sequence's newest queries and keys at `layer` to its method;
+        q `[T, num_heads, head_dim]` and k `[T, num_kv_heads, head_dim]` are the step's
+        post-RoPE ones (what the backend attends with `scale`)."""
         if self.observe_queries is None:
             return
         for i, rows in enumerate(self.query_rows):
             if rows:
                 end = q_starts[i] + q_lens[i]
-                self.observe_queries(layer, i, q[end - rows : end])
+                self.observe_queries(layer, i, q[end - rows : end], k[end - rows : end], scale)
 
     def put_scores(self, layer: int, i: int, value: torch.Tensor) -> None:
         """Sequence i's summed probabilities at `layer`: `[num_heads, L_i]`."""

@@ -37,7 +37,7 @@ class TorchRefBackend(AttentionBackend):
         storage = self.storage[layer]
         storage.store(k, v, batch.slot_mapping[group])
         if window is None:  # sparse methods leave sliding-window layers alone
-            batch.sparse.hand_queries(layer, q, batch.q_starts, batch.q_lens)
+            batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
         picks = _selection(layer, q, batch) if window is None else None
         if picks is None and _batched_decode(layer, batch, window):
             return attend_decode_batch(q, storage, batch, group, scale, window)

@@ -49,7 +49,7 @@ class TritonBackend(AttentionBackend):
         k_scale, v_scale = storage.k_scale, storage.v_scale
         store_kv(k, v, storage.k, storage.v, batch.slot_mapping[group], k_scale, v_scale)
         if window is None:  # sparse methods leave sliding-window layers alone
-            batch.sparse.hand_queries(layer, q, batch.q_starts, batch.q_lens)
+            batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
         out = torch.empty_like(q)
         table = batch.tables[group]
         lens = batch.view_lens_t[group]

@@ -155,6 +155,7 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str,
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     ids = [engine.add_request(p, first) for p in prompts]
     outs, prefill_s, _, _ = _drain(engine, device)
+    scoring = engine.runner.scoring.cost.as_dict()  # phase 1's scoring passes (KVzip)
     by_id = {o.request_id: o for o in outs}
     rest = SamplingParams(temperature=0.0, max_tokens=max(1, output_len - 1), ignore_eos=True)
     for rid, p in zip(ids, prompts):
@@ -167,6 +168,23 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str,
         "kv_layer_slots": kv,
         "ttft": [o.metrics["time_to_first_token"] for o in outs],
         "cached_tokens": sum(o.num_cached_tokens for o in finals),
+        "scoring": scoring,
+    }
+
+
+def scoring_report(
+    cost: dict[str, float], prefill_s: float, prompt_tokens: int
+) -> dict[str, float | None] | None:
+    """A method's scoring passes in the prefill phase (KVzip's context reconstruction;
+    None for methods without): their counts, and their cost as a ratio of a plain
+    prefill, the phase's time without them (the passes run synchronised, timed apart)."""
+    if not cost["scoring_passes"]:
+        return None
+    plain = prefill_s - cost["scoring_seconds"]
+    return {
+        **cost,
+        "tokens_per_prompt_token": cost["scoring_tokens"] / prompt_tokens,
+        "time_over_plain_prefill": cost["scoring_seconds"] / plain if plain > 0 else None,
     }
 
 
@@ -233,6 +251,7 @@ def measure(
         "batch_size": batch,
         "concurrency": stats["max_concurrent_seqs"],
         "prefill_tokens_per_s": batch * prompt_len / run["prefill_s"],
+        "scoring_pass": scoring_report(run["scoring"], run["prefill_s"], batch * prompt_len),
         "decode_tokens_per_s": batch / step if steps else None,
         "end_to_end_tokens_per_s": batch * args.output_len / run["total_s"],
         "time_to_first_token_s": {"mean": statistics.mean(ttft), "max": max(ttft)},

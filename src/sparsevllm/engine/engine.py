@@ -294,6 +294,7 @@ class LLMEngine:
         one phase of a long-lived engine."""
         self.scheduler.stats = SchedulerStats()
         self.pool.reset_peak()
+        self.runner.scoring.reset()
 
     def stats(self) -> dict[str, object]:
         st = self.scheduler.stats
@@ -310,6 +311,8 @@ class LLMEngine:
             "num_decode_tokens_computed": st.num_decode_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,
             "num_cached_prompt_tokens": st.num_cached_prompt_tokens,
+            # Methods' scoring passes (KVzip's context reconstruction): what they cost.
+            **self.runner.scoring.cost.as_dict(),
             **cached,
             "max_concurrent_seqs": st.max_concurrent_seqs,
             "num_running": len(self.scheduler.running),

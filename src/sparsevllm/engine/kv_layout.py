@@ -83,9 +83,18 @@ class KVLayout:
             main = [sorted(main[0] + extra)]
         return main, self.window_groups
 
-    def num_slots(self, state_bytes: Callable[[int], float], activation_bytes: int) -> int:
+    def scratch_bytes(self, scratch: int) -> int:
+        """Bytes of `scratch` scoring-pass slots in every layer (`create`)."""
+        windowed = sum(len(w.layers) for w in self.window_groups)
+        main = (self.num_layers - windowed) * self.layer_bytes(self.kv_format)
+        return scratch * (main + windowed * self.layer_bytes(MODEL_DTYPE))
+
+    def num_slots(
+        self, state_bytes: Callable[[int], float], activation_bytes: int, scratch: int = 0
+    ) -> int:
         """Slots per layer of the main groups. `state_bytes(layer bytes)`: the methods'
-        device state per slot; `activation_bytes`: what a GPU step leaves free."""
+        device state per slot; `activation_bytes`: what a GPU step leaves free;
+        `scratch`: the scoring-pass slots every layer holds beside the pool."""
         cfg = self.config
         if cfg.num_kv_slots is not None:
             return cfg.num_kv_slots
@@ -105,6 +114,7 @@ class KVLayout:
         # Method state (Quest's page bounds: two key rows per page) holds dequantized
         # keys: the model dtype's size.
         main_bytes += state_bytes(self.slot.key_pair_bytes(self.dtype.itemsize))
+        window_bytes += self.scratch_bytes(scratch)  # fixed as well
         if cfg.kv_cache_memory_gb is None and self.device.type != "cuda":
             # Enough for every sequence at full length, but never more than 1 GiB.
             budget = window_bytes + self.capacity.cpu_kv_bytes(main_bytes)
@@ -117,18 +127,24 @@ class KVLayout:
             )
         return slots
 
-    def create(self, num_slots: int) -> list[KVStorage]:
+    def create(self, num_slots: int, scratch: int = 0) -> list[KVStorage]:
         """Every layer's storage: the configured format, except window groups (sized to
-        the window, a few MB), which keep the model dtype."""
+        the window, a few MB), which keep the model dtype. Each layer holds `scratch`
+        more rows after its group's slots, which the pool never hands out (scoring
+        passes keep their temporary K/V there: `group_slots`)."""
         storage = []
         for layer in range(self.num_layers):
             rows = next((w.num_slots for w in self.window_groups if layer in w.layers), None)
             fmt = self.kv_format if rows is None else MODEL_DTYPE
-            storage.append(
-                create_storage(fmt, rows or num_slots, self.slot, self.dtype, self.device)
-            )
+            size = (rows or num_slots) + scratch
+            storage.append(create_storage(fmt, size, self.slot, self.dtype, self.device))
         self._log(num_slots)
         return storage
+
+    def group_slots(self, num_main_groups: int, num_slots: int) -> list[int]:
+        """The pool's slots of each group (main groups, then window groups): where each
+        group's scratch rows begin."""
+        return [num_slots] * num_main_groups + [w.num_slots for w in self.window_groups]
 
     def _log(self, num_slots: int) -> None:
         windowed = sorted(layer for w in self.window_groups for layer in w.layers)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +27,7 @@ from sparsevllm.attention.sparse_step import ObserveQueries, SelectViews
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.method_layout import check_layout, common_layout, method_kv
 from sparsevllm.kv.layout import GQA
-from sparsevllm.sparse.base import KVAccess, RowScores, SeqStep, SparseMethod
+from sparsevllm.sparse.base import KVAccess, RowScores, ScoringInput, SeqStep, SparseMethod
 from sparsevllm.sparse.choice import MethodChoice, choice_from_key, resolve_choice
 from sparsevllm.sparse.registry import create_method
 from sparsevllm.sparse.spec import DecodeViews
@@ -63,6 +64,7 @@ class MethodSet:
         self._kv: dict[int, KVAccess] = {}
         self._runner_kv: RunnerKV | None = None
         self._layout: list[list[int]] | None = None  # set once the served methods exist
+        self._scratch: int | None = None  # scoring-pass scratch slots, once reserved
         served = [self.instance(c) for c in choices.values()]
         self.default = served[0]
         self._layout = common_layout(served)
@@ -98,6 +100,12 @@ class MethodSet:
         method = create_method(choice, num_layers, num_kv_heads, layers, self._slot_layout)
         if self._layout is not None:
             check_layout(method, self._layout)
+        if self._scratch is not None and method.scoring_slots() > self._scratch:
+            raise ValueError(
+                f"{choice.sparse_method} with these settings runs scoring inputs of up to "
+                f"{method.scoring_slots()} tokens, but this engine reserved {self._scratch} "
+                "scratch slots (from its served methods' settings)"
+            )
         self._trim()
         self._by_key[choice.key] = method
         self._ids[id(method)] = len(self._ids)
@@ -160,6 +168,13 @@ class MethodSet:
             for c in self.choices.values()
         )
 
+    def reserve_scoring_slots(self) -> int:
+        """Scratch slots per layer for scoring passes: the most any served method's
+        scoring input holds (0: none asks). Fixed from then on: a request's choice whose
+        inputs would not fit is refused."""
+        self._scratch = max(self._by_key[c.key].scoring_slots() for c in self.choices.values())
+        return self._scratch
+
     def free_device_memory(self) -> None:
         for method in self._by_key.values():
             method.free_device_memory()
@@ -212,6 +227,26 @@ class MethodSet:
         return len(self._by_key) > 1
 
 
+@dataclass(frozen=True)
+class ScoringRequest:
+    """One row's scoring pass: its method, its step, the inputs to run and the method's
+    KV access; `observer(index)` is where the backend hands input `index`'s queries."""
+
+    method: SparseMethod
+    step: SeqStep
+    inputs: list[ScoringInput]
+    kv: KVAccess
+
+    def observer(self, index: int) -> ObserveQueries:
+        method, step, kv = self.method, self.step, self.kv
+
+        def observe(layer: int, row: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
+            if layer in method.layers:
+                method.observe_scoring(layer, step, index, q, k, scale, kv)
+
+        return observe
+
+
 class StepMethods:
     """The methods of one step's rows."""
 
@@ -241,12 +276,23 @@ class StepMethods:
         if not any(rows):
             return None
 
-        def observe(layer: int, row: int, q: torch.Tensor) -> None:
+        def observe(layer: int, row: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
             method = self.rows[row]
             if layer in method.layers:
                 method.observe_queries(layer, steps[row], q, self.set.kv_for(method))
 
         return observe
+
+    def scoring_requests(self, steps: list[SeqStep]) -> list[ScoringRequest]:
+        """The scoring passes the rows' methods ask for after this step's forward (rows
+        whose step finishes the prompt; none in the common case)."""
+        found = []
+        for method, step in zip(self.rows, steps):
+            if step.finishes_prompt:
+                inputs = method.scoring_inputs(step, self.set.kv_for(method))
+                if inputs:
+                    found.append(ScoringRequest(method, step, inputs, self.set.kv_for(method)))
+        return found
 
     def score_layers(self) -> tuple[frozenset[int] | None, list[frozenset[int] | None] | None]:
         """(the step's score layers, per-row score layers in a mixed step)."""

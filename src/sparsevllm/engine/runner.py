@@ -21,6 +21,7 @@ from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_layout import KVLayout
 from sparsevllm.engine.kv_pool import KVPool, WindowGroup
 from sparsevllm.engine.method_set import MethodSet, StepMethods
+from sparsevllm.engine.scoring_pass import ScoringPasses
 from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.step_plan import StepPlan
@@ -52,6 +53,15 @@ def rope_of(model: CausalLM) -> Callable[[int], torch.Tensor | None]:
     return found if callable(found) else (lambda layer: None)
 
 
+def encoder_of(source: ModelSource) -> Callable[[str], list[int]] | None:
+    """Text -> token ids without special tokens, for methods' scoring inputs (None: the
+    model has no tokenizer)."""
+    tokenizer = source.tokenizer
+    if tokenizer is None:
+        return None
+    return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+
+
 class ModelRunner:
     """Owns the weights, the KV tensors and the device slot tables; runs one planned
     step (`launch`) and samples."""
@@ -60,6 +70,7 @@ class ModelRunner:
     rows: SlotRows
     tables: DeviceSlotTables
     kv: RunnerKV
+    scoring: ScoringPasses
     graphs: DecodeGraphs | None = None
 
     def __init__(self, config: EngineConfig, source: ModelSource, capacity: CapacityPlan) -> None:
@@ -101,10 +112,13 @@ class ModelRunner:
         act = capacity.activation_bytes(
             hf.hidden_size, hf.intermediate_size, hf.vocab_size, hf.num_attention_heads
         )
-        self.num_slots = self.layout.num_slots(self.methods.state_bytes_per_slot, act)
-        self.kv_storage: list[KVStorage] = self.layout.create(self.num_slots)
+        scratch = self.methods.reserve_scoring_slots()  # scoring passes' temporary K/V
+        self.num_slots = self.layout.num_slots(self.methods.state_bytes_per_slot, act, scratch)
+        self.kv_storage: list[KVStorage] = self.layout.create(self.num_slots, scratch)
         backend = backend_for(default_backend_name(self.device), self.slot_layout)
         self.backend = backend(self.kv_storage)
+        self.scratch_slots = scratch
+        self._encode = encoder_of(source)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator | None] = {}
         logger.info(
@@ -187,6 +201,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, batch)  # [T, hidden]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
+        self.scoring.run(methods.scoring_requests(steps), plan, self.tables.table)
         methods.after_step(steps, batch.sparse.row_scores())
         self._trim_windows(steps)
         return logits if plan.sample_rows else None
@@ -240,6 +255,16 @@ class ModelRunner:
         self.rows = rows
         self.tables = DeviceSlotTables(pool.num_groups, rows.num_rows, rows.max_len, self.device)
         self.kv = RunnerKV(pool, self.kv_storage, self.tables, rows, rope_of(self.model))
+        self.scoring = ScoringPasses(
+            self.model,
+            self.backend,
+            self._encode,
+            self.layout.group_slots(pool.num_main_groups, pool.num_slots),
+            self.scratch_slots,
+            pool.group_of_layer,
+            self.capacity.max_model_len,
+            self.device,
+        )
         self.methods.attach(self.kv)
         self.graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.graph_safe:

@@ -19,7 +19,7 @@ from itertools import chain
 from typing import TYPE_CHECKING
 
 from sparsevllm.engine.kv_pool import KVPool
-from sparsevllm.engine.scheduler import SchedulerOutput
+from sparsevllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from sparsevllm.engine.slot_rows import SlotRows, TableWrites
 from sparsevllm.sampling import SamplingParams
 
@@ -59,6 +59,9 @@ class StepPlan:
     seq_major: bool
     view_lens: list[list[int]]  # [G][S]
     writes: TableWrites
+    # Each row's prompt token ids where its step finishes the prompt (what a method's
+    # scoring pass may replay, read-only), else None.
+    prompts: list[list[int] | None]
 
     @property
     def num_seqs(self) -> int:
@@ -104,7 +107,14 @@ def plan_step(sched: SchedulerOutput, pool: KVPool, rows: SlotRows) -> StepPlan:
         seq_major=seq_major,
         view_lens=view_lens,
         writes=writes,
+        prompts=[_finished_prompt(s) for s in scheduled],
     )
+
+
+def _finished_prompt(s: ScheduledSeq) -> list[int] | None:
+    """The prompt ids of a row whose step finishes its prompt (None otherwise)."""
+    n = s.seq.num_prompt_tokens
+    return s.seq.prompt_token_ids if s.start < n <= s.start + s.num_new_tokens else None
 
 
 def _slots_and_writes(

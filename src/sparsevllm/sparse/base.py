@@ -17,6 +17,15 @@ The host (runner, scheduler) asks a method what it needs and never which method 
   (post-RoPE `[n, num_heads, head_dim]`, before the step's keys are read), for methods
   that model future queries (Expected Attention); never asked of a decode row, so decode
   graphs are unaffected. The method reduces them at once (nothing is kept per step).
+- `scoring_inputs` / `observe_scoring` / `scoring_slots`: a scoring pass (KVzip). After
+  the forward of a step that finishes a sequence's prompt, and before `after_step`, a
+  method may ask for extra forwards over the sequence's resident views: each
+  `ScoringInput` (text pieces, tokenized by the host, and spans of the sequence's own
+  prompt tokens) runs as one prefill whose positions follow the sequence's last one and
+  whose own K/V live in scratch slots outside the pool (`scoring_slots` sizes them), so
+  views, the pool and admission never see it; at every managed layer the backend hands
+  the method the input's queries and keys (post-RoPE) and the attention scale. Nothing
+  else of the pass is kept: no logits, no sampling, no KV.
 - `begin_step`: before every forward, captured ones included: drop the previous step's
   results kept on the method, and do host-side upkeep (device state that the selection
   reads, e.g. Quest's page bounds); the only place a method may look at host data of
@@ -86,6 +95,16 @@ class SeqStep:
     @property
     def finishes_prompt(self) -> bool:
         return self.start < self.prompt_len <= self.end
+
+
+@dataclass(frozen=True)
+class ScoringInput:
+    """One forward of a scoring pass (`SparseMethod.scoring_inputs`): its tokens, in
+    order, from pieces that are either text (tokenized by the host without special
+    tokens; dropped where the model has no tokenizer) or a span `(a, b)` of the
+    sequence's own prompt tokens."""
+
+    pieces: tuple[str | tuple[int, int], ...]
 
 
 class MethodSettings(Protocol):
@@ -272,6 +291,37 @@ class SparseMethod:
         `query_rows(step)` queries, post-RoPE `[n, num_heads, head_dim]` (logical positions
         `step.end - n .. step.end - 1`). The tensor is the forward's own: reduce or copy it
         here, never keep it."""
+
+    def scoring_slots(self) -> int:
+        """The most tokens one of the method's scoring inputs may hold (0: the method
+        never asks for a scoring pass). The engine reserves that many scratch slots per
+        layer outside the pool, at start."""
+        return 0
+
+    def scoring_inputs(self, step: SeqStep, kv: KVAccess) -> list[ScoringInput]:
+        """Asked after the forward of a step that finishes the prompt
+        (`step.finishes_prompt`), before `after_step`: the inputs of a scoring pass over
+        the sequence's resident views (none, the default: no pass). Each runs as its own
+        forward, in order, at logical positions `step.end ..` (moved back as far as
+        needed to stay within max_model_len); `observe_scoring` receives them."""
+        return []
+
+    def observe_scoring(
+        self,
+        layer: int,
+        step: SeqStep,
+        index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        scale: float,
+        kv: KVAccess,
+    ) -> None:
+        """During the forward of scoring input `index` of `step`, at each managed layer:
+        its queries `[n, num_heads, head_dim]` and keys `[n, num_kv_heads, head_dim]`
+        (post-RoPE, as attention reads them) and the layer's attention scale. The
+        resident view (`kv.keys`) does not contain the input's own entries: each query
+        attended to the whole view, then causally to the input's keys. The tensors are
+        the forward's own: reduce or copy them here."""
 
     def begin_step(self, batch: ForwardBatch) -> None:
         """Before every forward (host side), captured ones included: drop the previous

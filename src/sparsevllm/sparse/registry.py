@@ -48,6 +48,7 @@ _MODULES: dict[str, str] = {
         "lagkv",
         "strided",
         "expected_attention",
+        "kvzip",
         "omnikv",
         "quest",
     )
