@@ -52,12 +52,13 @@ def run_methods(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'method':13s} {'family':22s} {'prefill policy':25s} knobs (defaults)")
+    w = max(len("method"), *(len(r["name"]) for r in rows))  # e.g. expected_attention
+    print(f"{'method':{w}s} {'family':22s} {'prefill policy':25s} knobs (defaults)")
     for r in rows:
         knobs = ", ".join(f"{k}={v}" for k, v in r["knobs"].items()) or "-"
-        print(f"{r['name']:13s} {r['family']:22s} {r['prefill_policy']:25s} {knobs}")
+        print(f"{r['name']:{w}s} {r['family']:22s} {r['prefill_policy']:25s} {knobs}")
         aliases = f" (aliases: {', '.join(r['aliases'])})" if r["aliases"] else ""
-        print(f"{'':13s} {r['description']}{aliases}")
+        print(f"{'':{w}s} {r['description']}{aliases}")
     return 0
 
 

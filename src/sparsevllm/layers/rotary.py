@@ -112,6 +112,7 @@ class RotaryEmbedding(nn.Module):
         # Kept in float32: bf16 angles at long positions lose too much precision.
         self.register_buffer("cos_cache", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -121,9 +122,18 @@ class RotaryEmbedding(nn.Module):
             from sparsevllm.attention.triton.rope import apply_rope
 
             return apply_rope(positions, q, k, self.cos_cache, self.sin_cache)
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin_cache[positions].unsqueeze(1)
+        cos, sin = self._angles(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions`, `[T, 1, D/2]` each. Every layer of a forward passes
+        the same positions tensor: they are looked up once (kept with that tensor, which the
+        reference keeps alive, so a later step's positions are never mistaken for it)."""
+        if self._last is None or self._last[0] is not positions:
+            cos = self.cos_cache[positions].unsqueeze(1)
+            sin = self.sin_cache[positions].unsqueeze(1)
+            self._last = (positions, cos, sin)
+        return self._last[1], self._last[2]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
