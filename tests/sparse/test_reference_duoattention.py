@@ -74,8 +74,12 @@ def test_threshold_and_kv_budget_pick_heads():
     assert budget.num_streaming(500) == 0 and budget.num_streaming(36) == 0
     for length in (501, 1000, 4096, 100_000):
         n = budget.num_streaming(length)
-        kept = lambda k: ((8 - k) * length + k * 36) / 8  # noqa: E731 (mean tokens per head)
-        assert kept(n) <= 500 and (n == 0 or kept(n - 1) > 500), length
+        assert _mean_kept(n, length) <= 500 and (n == 0 or _mean_kept(n - 1, length) > 500)
+
+
+def _mean_kept(streaming: int, length: int, heads: int = 8, window: int = 36) -> float:
+    """Mean tokens per head when `streaming` of `heads` keep `window` of `length`."""
+    return ((heads - streaming) * length + streaming * window) / heads
 
 
 def _method(scores: list[list[float]], sink: int = 2, recent: int = 6, **knobs) -> DuoAttention:

@@ -121,7 +121,9 @@ def read_head_scores(path: str | Path) -> HeadScores:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ValueError(f"{path} is not a DuoAttention head-score file (format {FORMAT!r})")
     if raw.get("version") != VERSION:
-        raise ValueError(f"{path}: head-score file version {raw.get('version')!r} (read: {VERSION})")
+        raise ValueError(
+            f"{path}: head-score file version {raw.get('version')!r} (read: {VERSION})"
+        )
     try:
         model = raw["model"]
         names = tuple(str(n) for n in model["names"])

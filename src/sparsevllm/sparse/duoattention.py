@@ -226,7 +226,9 @@ class DuoAttention(SparseMethod):
         subset, counts = streaming_views(
             torch.tensor(contexts), torch.stack(masks), self.sink, self.recent
         )
-        out = torch.zeros((len(batch.q_lens), self.num_kv_heads, subset.shape[-1]), dtype=torch.int32)
+        out = torch.zeros(
+            (len(batch.q_lens), self.num_kv_heads, subset.shape[-1]), dtype=torch.int32
+        )
         lens = torch.full((len(batch.q_lens), self.num_kv_heads), -1, dtype=torch.int32)
         out[rows], lens[rows] = subset, counts
         return out.to(q.device), lens.to(q.device)
