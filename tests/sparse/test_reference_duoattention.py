@@ -230,3 +230,13 @@ def test_every_head_streaming_frees_memory_for_more_sequences(model, tmp_path):
     mixed.generate(prompts, params, use_tqdm=False)
     assert mixed.stats()["max_concurrent_seqs"] <= 2
     assert scores["num_layers"] == 4
+
+
+def test_prunes_a_chain_by_recency_and_continues_it(model):
+    llm = LLM(model, **KNOBS)
+    prompt = MATRIX_PROMPTS[0]
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    result = llm.prune(out.chain_id, ranges=[(10, 40)], method="duoattention", keep_ratio=0.5)
+    assert result.slots_freed > 0
+    follow = llm.generate([prompt + out.token_ids + [5, 6, 7]], GREEDY, use_tqdm=False)[0]
+    assert len(follow.token_ids) == 24 and follow.num_cached_tokens > 0

@@ -330,16 +330,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{name} must be >= {low}, got {value}")
     if not tasks:
         raise ValueError("--tasks names no task")
-    settings = Settings(
-        tasks=tasks,
-        length=args.length,
-        samples=args.samples,
-        seed=args.seed,
-        sink=args.sink,
-        recent=args.recent,
-        dtype=args.dtype,
-        device=args.device,
-    )
+    same = ("length", "samples", "seed", "sink", "recent", "dtype", "device")  # flag = field
+    settings = Settings(tasks=tasks, **{name: getattr(args, name) for name in same})
     scores, seconds = calibrate(
         args.model, settings, _command(args), args.name, not args.no_progress
     )
