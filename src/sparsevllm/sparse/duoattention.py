@@ -223,15 +223,16 @@ class DuoAttention(SparseMethod):
             masks.append(mask)
         if not rows:
             return None
+        dev = q.device  # built there: a retrieval head's positions span its whole context
         subset, counts = streaming_views(
-            torch.tensor(contexts), torch.stack(masks), self.sink, self.recent
+            torch.tensor(contexts, device=dev), torch.stack(masks).to(dev), self.sink, self.recent
         )
-        out = torch.zeros(
-            (len(batch.q_lens), self.num_kv_heads, subset.shape[-1]), dtype=torch.int32
-        )
-        lens = torch.full((len(batch.q_lens), self.num_kv_heads), -1, dtype=torch.int32)
-        out[rows], lens[rows] = subset, counts
-        return out.to(q.device), lens.to(q.device)
+        shape = (len(batch.q_lens), self.num_kv_heads)
+        out = torch.zeros((*shape, subset.shape[-1]), dtype=torch.int32, device=dev)
+        lens = torch.full(shape, -1, dtype=torch.int32, device=dev)
+        index = torch.tensor(rows, device=dev)
+        out[index], lens[index] = subset, counts
+        return out, lens
 
 
 def streaming_count(num_heads: int, sparsity: float) -> int:
@@ -250,7 +251,7 @@ def streaming_views(
     `[R, Hkv]` int32): a retrieval head reads its whole context, a streaming head its
     first `sink` and last `recent` entries (everything when the context is no longer)."""
     width = max(int(contexts.max()), 1)
-    col = torch.arange(width)[None, :]  # [1, W]
+    col = torch.arange(width, device=contexts.device)[None, :]  # [1, W]
     ctx = contexts[:, None]  # [R, 1]
     cut = (col >= sink) & (ctx > sink + recent)
     tail = torch.where(cut, col + ctx - sink - recent, col)  # [R, W]
