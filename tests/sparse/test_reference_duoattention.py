@@ -6,7 +6,6 @@ whose heads all stream: at most sink + recent + interval), the equivalences with
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -218,8 +217,7 @@ def test_preemption_finishes_and_frees_every_slot(model):
     assert stats["kv_slots_used"] == stats["kv_slots_cached"]
 
 
-def test_every_head_streaming_frees_memory_for_more_sequences(model, tmp_path):
-    scores = json.loads(open(DUO_TINY_SCORES).read())
+def test_every_head_streaming_frees_memory_for_more_sequences(model):
     prompts = [[1] + [(7 * i + j) % 250 + 3 for j in range(399)] for i in range(6)]
     common = {"num_kv_slots": 2 * 400 + 40, "max_model_len": 500, "chunk_prefill_size": 512}
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -229,7 +227,6 @@ def test_every_head_streaming_frees_memory_for_more_sequences(model, tmp_path):
     mixed = LLM(model, **KNOBS, **common)  # layer 0 retrieves: every token stays there
     mixed.generate(prompts, params, use_tqdm=False)
     assert mixed.stats()["max_concurrent_seqs"] <= 2
-    assert scores["num_layers"] == 4
 
 
 def test_prunes_a_chain_by_recency_and_continues_it(model):
