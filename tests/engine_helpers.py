@@ -3,6 +3,7 @@ driving one request to its end."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from sparsevllm import SamplingParams
@@ -17,7 +18,11 @@ MATRIX_PROMPTS = [
     [1, 5, 6],
     [1] + list(range(200, 241)),
 ]
+# Head scores for the 4-layer, 2-KV-head tiny models (DuoAttention ships none for them):
+# at its default sparsity layer 2 streams whole, layers 1 and 3 mix, layer 0 retrieves.
+DUO_TINY_SCORES = str(Path(__file__).parent / "data" / "duoattention_4x2.json")
 EVERY_LAYER_SPARSE: dict[str, dict[str, Any]] = {
+    "duoattention": {"duoattention_head_scores": DUO_TINY_SCORES},
     "omnikv": {"full_attention_layers": (0, 2)},
     "quest": {"quest_skip_layers": 1},
 }
@@ -42,6 +47,12 @@ METHOD_KNOBS: dict[str, dict[str, Any]] = {
     "snapkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "pyramidkv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "adakv": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
+    "duoattention": {
+        "sink_keep_tokens": 2,
+        "recent_keep_tokens": 6,
+        "duoattention_interval": 4,
+        "duoattention_head_scores": DUO_TINY_SCORES,
+    },
     "knorm": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     "keydiff": {"decode_keep_tokens": 24, "recent_keep_tokens": 8},
     # Partitions of 8: the 61-token prompt has six scored ones.

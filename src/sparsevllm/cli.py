@@ -230,6 +230,11 @@ def _add_bench(sub: argparse._SubParsersAction, with_kinds: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else argv
+        if argv[:2] == ["calibrate", "duoattention"]:  # beside `calibrate REPORT...`
+            from sparsevllm.bench import duo_calibrate
+
+            args = duo_calibrate.build_parser(ArgumentParser).parse_args(argv[2:])
+            return int(args.func(args))
         args = build_parser(with_bench="bench" in argv).parse_args(argv)
         logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)

@@ -28,7 +28,8 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
         'A request with kv_budget "auto" and min_accuracy gets the smallest budget whose '
         "calibrated accuracy meets the floor (docs/calibration.md). Prints a JSON summary. "
         "Example: sparsevllm calibrate out/q.json --out "
-        "src/sparsevllm/calibration/data/my-model.json",
+        "src/sparsevllm/calibration/data/my-model.json. `sparsevllm calibrate duoattention "
+        "--help`: the head scores of the duoattention method instead.",
     )
     p.add_argument(
         "reports",

@@ -257,7 +257,8 @@ def check_chains(world: World, engine: Engine) -> None:
     for seq_id in live:
         for g in range(pool.num_groups):
             held[g].extend(pool.table(seq_id, g) if pool.has(seq_id) else [])
-    cached = reclaimable = 0
+    cached = 0
+    idle_held = [0] * pool.num_main_groups  # slots the idle resident chains hold, per group
     tiers, kept_state = [], set()  # tiers: (tier, owner) of offloaded chains
     for chain in store.chains.chains.values():
         if chain.busy:  # the request that continues it owns its state
@@ -271,7 +272,8 @@ def check_chains(world: World, engine: Engine) -> None:
             for g in range(pool.num_groups):
                 held[g].extend(pool.table(chain.owner, g))
             cached += chain.resident
-            reclaimable += chain.reclaim
+            for g in range(pool.num_main_groups):
+                idle_held[g] += main[g]
         else:
             assert not pool.has(chain.owner) and world.stack.counts(chain.owner) is not None
             tiers.append((chain.tier, chain.owner))
@@ -279,6 +281,9 @@ def check_chains(world: World, engine: Engine) -> None:
             kept_state.add(chain.owner)
     for g, slots in enumerate(held):  # no slot twice; free + used + cached = total
         assert len(slots) == len(set(slots)) == pool.used_per_layer()[g]
+    # What the fullest group's free count would gain if every idle resident chain went.
+    after = [pool.num_free_in(g) + idle_held[g] for g in range(pool.num_main_groups)]
+    reclaimable = min(after) - pool.num_free if any(idle_held) else 0
     assert store.reclaimable_slots == reclaimable
     running = {seq.seq_id for seq in engine.running}
     assert running | kept_state <= set(world.state.held) <= set(live) | kept_state

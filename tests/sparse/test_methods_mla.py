@@ -45,7 +45,7 @@ def vanilla_tokens(model):
 
 
 def test_the_served_methods_are_the_expected_ones():
-    assert REFUSED == ["knorm", "expected_attention"]
+    assert REFUSED == ["duoattention", "knorm", "expected_attention"]
     layouts = {row["name"]: row["slot_layouts"] for row in methods_table()}  # `sparsevllm methods`
     assert layouts["knorm"] == ["gqa"] and layouts["snapkv"] == ["gqa", "mla_latent"]
 

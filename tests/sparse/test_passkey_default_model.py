@@ -1,4 +1,5 @@
-"""Pass-key retrieval on the default model (SmolLM2-135M-Instruct) under a 64-token budget.
+"""Pass-key retrieval on the default model (SmolLM2-135M-Instruct) under a 64-token budget
+(and DuoAttention with its shipped head scores).
 
 SmolLM2 retrieves a pass key reliably with full attention up to about 350 tokens. With the
 question at the end of a ~285-token prompt, SnapKV's observation window (the question)
@@ -73,3 +74,12 @@ def test_snapkv_keeps_the_key_within_64_tokens(vanilla):
 def test_streamingllm_with_the_same_budget_loses_it(vanilla):
     ok = answers("streamingllm", sink_keep_tokens=4, recent_keep_tokens=BUDGET - 4)
     assert not any(ok)
+
+
+def test_duoattention_retrieval_heads_keep_the_key(vanilla):
+    """With the shipped head scores, three quarters of the heads streaming (sink 4 +
+    recent 32, StreamingLLM's window, which loses the key) still find it; all of them
+    streaming do not."""
+    window = {"sink_keep_tokens": 4, "recent_keep_tokens": 32}
+    assert all(answers("duoattention", duoattention_sparsity=0.75, **window))
+    assert not any(answers("duoattention", duoattention_sparsity=1.0, **window))

@@ -154,6 +154,10 @@ class KVPool:
         """Free slots of the fullest group: what a new token can count on in every layer."""
         return min(a.num_free for a in self._main)
 
+    def num_free_in(self, group: int) -> int:
+        """Free slots of one main group."""
+        return self._main[group].num_free
+
     @property
     def num_used(self) -> int:
         return max(a.num_used for a in self._main)

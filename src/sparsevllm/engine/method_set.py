@@ -24,6 +24,7 @@ import torch
 
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.attention.sparse_step import ObserveQueries, SelectViews
+from sparsevllm.calibration.schema import ModelIdentity
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.method_layout import check_layout, common_layout, method_kv
 from sparsevllm.kv.layout import GQA
@@ -50,11 +51,13 @@ class MethodSet:
         num_kv_heads: int,
         layers: list[int] | None,
         slot_layout: str = GQA,
+        model: ModelIdentity | None = None,
     ) -> None:
         self.choices = choices  # each served method with the engine's settings
         self.default_method = default_method
         self._shape = (num_layers, num_kv_heads, layers)
         self._slot_layout = slot_layout  # kv/layout.py: a method may refuse the model's
+        self._model = model  # handed to every instance (SparseMethod.bind_model)
         self._by_key: dict[str, SparseMethod] = {}
         self._ids: dict[int, int] = {}  # id(instance) -> stable small id (device masks)
         self._choice: dict[int, MethodChoice] = {}  # id(instance) -> its choice
@@ -98,6 +101,8 @@ class MethodSet:
             return found
         num_layers, num_kv_heads, layers = self._shape
         method = create_method(choice, num_layers, num_kv_heads, layers, self._slot_layout)
+        if self._model is not None:
+            method.bind_model(self._model)
         if self._layout is not None:
             check_layout(method, self._layout)
         if self._scratch is not None and method.scoring_slots() > self._scratch:

@@ -12,6 +12,7 @@ import torch
 
 from sparsevllm.attention.backend import ForwardBatch, backend_for, default_backend_name
 from sparsevllm.attention.sparse_step import SparseStep
+from sparsevllm.calibration.identity import model_identity
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.capacity import CapacityPlan
 from sparsevllm.engine.cuda_graph import DecodeGraphs
@@ -105,6 +106,7 @@ class ModelRunner:
             self.num_kv_heads,
             self.layout.managed_layers,
             self.slot_layout.name,
+            model_identity(source.path, hf.to_dict()),
         )
         self.method = self.methods.default  # the engine's configured method
         self.kv_format = self.layout.kv_format

@@ -66,6 +66,7 @@ from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, SettingValue
 
 if TYPE_CHECKING:
     from sparsevllm.attention.backend import ForwardBatch
+    from sparsevllm.calibration.schema import ModelIdentity
 
 # What `after_step` receives (`SparseStep.row_scores`): `scores[layer][row]` is the
 # `[num_heads, L]` summed attention probabilities of the row's requested queries over its
@@ -224,6 +225,11 @@ class SparseMethod:
             raise ValueError("a sparse method needs at least one managed layer")
         if len(self.layers) < num_layers:
             self.score_layers = frozenset(self.layers)
+
+    def bind_model(self, model: ModelIdentity) -> None:
+        """The loaded model's identity (names, config fingerprint), given by the engine right
+        after construction, for a method whose data is made per model (DuoAttention's head
+        scores). Raise ValueError when the method cannot serve this model."""
 
     # -- declarations the host asks about ---------------------------------------------
     def layer_groups(self) -> list[list[int]]:

@@ -40,6 +40,7 @@ _MODULES: dict[str, str] = {
         "snapkv",
         "pyramidkv",
         "adakv",
+        "duoattention",
         "h2o",
         "rkv",
         "tova",

@@ -103,7 +103,19 @@ class ChainStore:
     # -- memory pressure ----------------------------------------------------------------
     @property
     def reclaimable_slots(self) -> int:
-        return self.chains.reclaimable_slots
+        """How much the pool's `num_free` (its fullest group's) would grow if every idle
+        resident chain went. Summing each chain's emptiest-group count would undercount it
+        where chains hold far more in some groups than in others (DuoAttention keeps every
+        token in its retrieval layers and a window in its streaming ones), and admission
+        could then wait forever on room it has."""
+        idle = self.chains.idle_resident()
+        if not idle:
+            return 0
+        after = min(
+            self.pool.num_free_in(g) + sum(self.pool.num_resident(c.owner, g) for c in idle)
+            for g in range(self.pool.num_main_groups)
+        )
+        return after - self.pool.num_free
 
     def make_room(self, n: int) -> None:
         self.chains.make_room(n)
