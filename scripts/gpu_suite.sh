@@ -2,7 +2,7 @@
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
-#          gguf-part | quality | quality-rerun | formats-kernels | formats-throughput
+#          gguf-part | quality | quality-rerun | quality-modes | formats-kernels | formats-throughput
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -19,6 +19,22 @@ quality_grid() {
      --max-num-seqs 64 --enforce-eager --no-progress \
      --json "$OUT/quality_gemma3_270m_4k.json" --plot "$OUT/quality_gemma3_270m_4k.png" \
      | tail -40
+}
+quality_modes() {
+  # Issue 18's grid: Gemma-3-270M at 4K, niah_single and niah_multikey, every method at
+  # ratios 0.5/0.75/0.9 in both modes. Resumes from /tmp/q (seeded from .gguf_parts/ with
+  # the query-aware records of the methods unchanged since issue 7's grid); stops before
+  # the call's limit, so a second call continues.
+  [ -f /tmp/g/gemma-3-270m-q4_k_m.gguf ] || cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf
+  mkdir -p /tmp/q && [ -f /tmp/q/quality_gemma3_270m_4k_modes.jsonl ] ||
+    cp .gguf_parts/quality_gemma3_270m_4k_modes.jsonl /tmp/q/
+  PYTHONPATH=src:/tmp/site timeout "${QUALITY_LIMIT_S:-520}" python -m sparsevllm.cli bench quality \
+     --model /tmp/g/gemma-3-270m-q4_k_m.gguf --tasks niah_single,niah_multikey \
+     --lengths 4096 --samples 20 --ratios 0.5,0.75,0.9 --modes query_aware,query_agnostic \
+     --max-num-seqs 128 --enforce-eager --no-progress \
+     --json /tmp/q/quality_gemma3_270m_4k_modes.json --plot /tmp/q/quality_gemma3_270m_4k_modes.png \
+     | tail -80
+  cp /tmp/q/* "$OUT/"
 }
 run_part() {
   case $1 in
@@ -44,6 +60,8 @@ run_part() {
       fi ;;
     quality)
       quality_grid ;;
+    quality-modes)
+      quality_modes ;;
     quality-rerun)
       # Issue 7: re-measure some methods' rows (RERUN, default omnikv: its default full
       # layers changed in session 4): drop their records, resume the same grid (the rest
