@@ -194,12 +194,16 @@ def attend(
         return out.reshape(1, hq, dv)
     if key_mask is not None:
         raise ValueError("a per-head key mask serves a single query")
-    mask = causal_mask(n, k.shape[0], q.device, window)
+    # A chunk with no older entries (a prompt's first chunk) is plain causal attention:
+    # SDPA's causal kernel, without building and reading an [n, n] mask.
+    causal = window is None and k.shape[0] == n
+    mask = None if causal else causal_mask(n, k.shape[0], q.device, window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, Hq, n, D]: 4-D inputs take SDPA's fast path
         kt,
         vt,
         attn_mask=mask,
+        is_causal=causal,
         scale=scale,
         enable_gqa=hq != hkv,
     )

@@ -239,6 +239,7 @@ def measure(
         "device": torch.cuda.get_device_name(runner.device)
         if runner.device.type == "cuda"
         else "cpu",
+        "cpu_threads": torch.get_num_threads() if runner.device.type == "cpu" else None,
         "sparse_method": llm.config.sparse_method,
         "knobs": runner.method.knob_values(),
         "prefill_policy": engine.prefill_policy,

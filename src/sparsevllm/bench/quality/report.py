@@ -186,23 +186,33 @@ def _mode_table(report: dict[str, Any], mode: str) -> str:
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
-    """Accuracy vs compression ratio: one subplot per task (and length), one line per
-    method and mode (query-agnostic dotted), vanilla as a horizontal reference."""
+    """Accuracy vs compression ratio: one row of panels per mode (and length), one per
+    task, one line per method (its colour and marker the same in every panel), vanilla as
+    a horizontal reference."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     grid = report["metadata"]["grid"]
-    tasks, lengths = grid["tasks"], grid["lengths"]
+    tasks, lengths, modes = grid["tasks"], grid["lengths"], report_modes(report)
+    panels = [(mode, length) for mode in modes for length in lengths]
     fig, axes = plt.subplots(
-        len(lengths), len(tasks), figsize=(4.2 * len(tasks), 3.4 * len(lengths)), squeeze=False
+        len(panels), len(tasks), figsize=(4.6 * len(tasks), 3.6 * len(panels)), squeeze=False
     )
-    for i, length in enumerate(lengths):
+    methods = list(dict.fromkeys(r["method"] for r in report["results"]))
+    for i, (mode, length) in enumerate(panels):
         for j, task in enumerate(tasks):
-            rows = [r for r in report["results"] if r["task"] == task and r["length"] == length]
-            _plot_panel(axes[i][j], rows, grid["ratios"], report_modes(report))
-            axes[i][j].set_title(f"{task} ({length} tokens)", fontsize=10)
+            rows = [
+                r
+                for r in report["results"]
+                if r["task"] == task
+                and r["length"] == length
+                and r.get("mode", QUERY_AWARE) == mode
+            ]
+            _plot_panel(axes[i][j], rows, grid["ratios"], methods, mode)
+            title = f"{task} ({length} tokens)"
+            axes[i][j].set_title(title + (f", {mode.replace('_', '-')}" if len(modes) > 1 else ""))
     handles, labels = axes[0][0].get_legend_handles_labels()
     model = Path(str(report["metadata"]["model"])).name
     fig.suptitle(f"long-context quality vs KV compression: {model}")
@@ -214,33 +224,35 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-# Line styles per mode: a method keeps its colour in both, vanilla stays black.
+# Line styles per mode, as the panel titles also say; vanilla stays black.
 _STYLE = {QUERY_AWARE: ("-", "--"), QUERY_AGNOSTIC: (":", "-.")}  # (methods, vanilla)
+_MARKERS = "osD^vPX*<>ph"
 
 
 def _plot_panel(
-    ax: Any, rows: list[dict[str, Any]], ratios: Sequence[float], modes: Sequence[str]
+    ax: Any, rows: list[dict[str, Any]], ratios: Sequence[float], methods: list[str], mode: str
 ) -> None:
-    """One task and length: a line per sparse method and mode, vanilla as a flat line."""
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    colours = {m: f"C{k % 10}" for k, m in enumerate(methods)}
-    for mode in modes:
-        line, flat = _STYLE[mode]
-        suffix = f" ({mode.replace('_', '-')})" if len(modes) > 1 else ""
-        for method in methods:
-            mine = [r for r in rows if r["method"] == method and r.get("mode", QUERY_AWARE) == mode]
-            points = sorted((r["ratio"], r["accuracy"]) for r in mine if r["accuracy"] is not None)
-            if not points:
-                continue
-            label = method + suffix
-            if all(r["budget"] is None for r in mine):
-                ax.axhline(points[0][1], color="black", linestyle=flat, label=label)
-            else:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", linestyle=line, color=colours[method], label=label)
-    ax.set_xlim(0, 1)
+    """One task, length and mode: a line per sparse method, vanilla as a flat line. A
+    method's colour (20 distinct ones) and marker follow its index in `methods`."""
+    import matplotlib.pyplot as plt
+
+    palette = plt.get_cmap("tab20")
+    line, flat = _STYLE[mode]
+    for k, method in enumerate(methods):
+        mine = [r for r in rows if r["method"] == method]
+        points = sorted((r["ratio"], r["accuracy"]) for r in mine if r["accuracy"] is not None)
+        if not points:
+            continue
+        if all(r["budget"] is None for r in mine):
+            ax.axhline(points[0][1], color="black", linestyle=flat, label=method)
+        else:
+            xs, ys = zip(*points)
+            style = {"color": palette(k % 20), "marker": _MARKERS[k % len(_MARKERS)]}
+            ax.plot(xs, ys, linestyle=line, label=method, **style)
+    # Vanilla (ratio 0) is the flat line: the axis spans the measured ratios only.
+    ax.set_xlim(min(ratios) - 0.05, max(ratios) + 0.05)
     ax.set_ylim(-0.05, 1.05)
-    ax.set_xticks(sorted({0.0, *ratios}))
+    ax.set_xticks(sorted(ratios))
     ax.set_xlabel("compression ratio")
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
