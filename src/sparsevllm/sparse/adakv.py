@@ -53,14 +53,8 @@ class AdaKVKnobs(SnapKVKnobs):
         "Ada-KV: every KV head keeps at least this fraction of the per-head middle budget; "
         "the rest of the layer's budget goes to the best (head, token) pairs jointly.",
         minimum=0,
+        maximum=1,
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.adakv_alpha_safeguard > 1:
-            raise ValueError(
-                f"adakv_alpha_safeguard must be <= 1, got {self.adakv_alpha_safeguard}"
-            )
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class DuoAttentionKnobs(MethodKnobs):
         "DuoAttention: fraction of the managed KV heads that stream (sink + recent); the "
         "lowest-scored ones (0: none, 1: all).",
         minimum=0,
+        maximum=1,
     )
     duoattention_threshold: float | None = knob(
         None,
@@ -88,13 +89,6 @@ class DuoAttentionKnobs(MethodKnobs):
         "DuoAttention: head-score file (sparsevllm calibrate duoattention); default: the "
         "file shipped for the loaded model.",
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.duoattention_sparsity > 1:
-            raise ValueError(
-                f"duoattention_sparsity must be <= 1, got {self.duoattention_sparsity}"
-            )
 
 
 class DuoAttention(SparseMethod):

@@ -54,13 +54,11 @@ class RKVKnobs(MethodKnobs):
         8, "R-KV: the last queries whose attention measures importance.", minimum=1
     )
     rkv_lambda: float = knob(
-        0.1, "R-KV: weight of importance against redundancy (score = l I - (1 - l) R).", minimum=0
+        0.1,
+        "R-KV: weight of importance against redundancy (score = l I - (1 - l) R).",
+        minimum=0,
+        maximum=1,
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.rkv_lambda > 1:
-            raise ValueError(f"rkv_lambda must be <= 1, got {self.rkv_lambda}")
 
 
 @dataclass

@@ -72,10 +72,12 @@ def knob(
     help: str,  # noqa: A002 (the argparse word)
     *,
     minimum: float | None = None,
+    maximum: float | None = None,
 ) -> T:
-    """A knob field: its default, its help text (CLI and `sparsevllm methods`) and an
-    inclusive lower bound checked at construction."""
-    return dataclasses.field(default=default, metadata={"help": help, "minimum": minimum})
+    """A knob field: its default, its help text (CLI and `sparsevllm methods`) and
+    inclusive bounds checked at construction."""
+    bounds = {"minimum": minimum, "maximum": maximum}
+    return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ class MethodKnobs:
             low = f.metadata.get("minimum")
             if low is not None and value is not None and value < low:
                 raise ValueError(f"{f.name} must be >= {low}, got {value}")
+            high = f.metadata.get("maximum")
+            if high is not None and value is not None and value > high:
+                raise ValueError(f"{f.name} must be <= {high}, got {value}")
             object.__setattr__(self, f.name, value)
 
     @classmethod
