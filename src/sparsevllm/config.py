@@ -53,7 +53,14 @@ FIELD_HELP: dict[str, str] = {
     "memory the engine may use (weights + activations + KV pool).",
     "kv_cache_dtype": "How KV is stored: auto (the model dtype), fp8_e4m3 or int8 (one "
     "element per channel plus a float32 scale per token and KV head: about half of bf16's "
-    "bytes). Sliding-window layers keep the model dtype. See docs/architecture.md.",
+    "bytes), int4 or int2 (KIVI: keys per channel over groups of kv_quant_group_size "
+    "tokens, values per token, the newest kv_quant_residual tokens in full precision; "
+    "served by the torch reference backend, on CUDA too, until Triton kernels read them). Sliding-window layers keep the model dtype. See "
+    "docs/architecture.md.",
+    "kv_quant_group_size": "int4/int2: tokens whose keys share per-channel scales and zero "
+    "points (KIVI's G; also the channels sharing a value's scale).",
+    "kv_quant_residual": "int4/int2: newest tokens of a sequence kept in full precision "
+    "before a group of kv_quant_group_size is quantized (KIVI's R).",
     "kv_slot_order": "Order in which free KV slots are handed out: sequential, or shuffled "
     "(each sequence's KV spread over the pool; on the H200 the whole engine decoded "
     "64 x 8K 2% slower and prefilled slower with it).",
@@ -123,6 +130,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    kv_quant_group_size: int = 32
+    kv_quant_residual: int = 128
     kv_slot_order: str = "sequential"
     enforce_eager: bool = False
     async_scheduling: bool | None = None
@@ -211,6 +220,10 @@ class EngineConfig:
     def _validate_kv_format(self) -> None:
         _check_type("kv_cache_dtype", self.kv_cache_dtype, str)
         check_format_name(self.kv_cache_dtype)
+        _check_positive_int("kv_quant_group_size", self.kv_quant_group_size)
+        _check_type("kv_quant_residual", self.kv_quant_residual, int)
+        if self.kv_quant_residual < 0:
+            raise ValueError(f"kv_quant_residual must be >= 0, got {self.kv_quant_residual}")
         for name in self.served_methods:
             served = method_spec(name).kv_formats
             if served is not None and self.kv_cache_dtype not in served:

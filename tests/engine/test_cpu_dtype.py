@@ -66,3 +66,15 @@ def test_default_model_bfloat16_agrees_with_float32():
         outputs[dtype] = [o.token_ids for o in llm.chat(conversations, params, use_tqdm=False)]
     same = sum(a == b for a, b in zip(outputs["float32"], outputs["bfloat16"]))
     assert same >= 14, f"{same} of 20 agree"
+
+
+def test_a_bfloat16_engine_runs_whether_or_not_this_cpu_packs_weights(tiny_model_factory):
+    """oneDNN's bf16 weight reorder needs AVX512 BW/VL/DQ or AVX-NE-CONVERT: elsewhere the
+    engine keeps plain linears instead of failing at load."""
+    from sparsevllm.layers.cpu_linear import PackedLinear, packing_applies
+
+    llm = LLM(tiny_model_factory("llama"), dtype="bfloat16")
+    out = llm.generate([[1, 5, 9]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    packed = isinstance(llm.engine.runner.model.lm_head, PackedLinear)
+    assert packed == packing_applies(CPU, torch.bfloat16)

@@ -28,7 +28,9 @@ from sparsevllm import LLM, SamplingParams
 from sparsevllm.sparse import snapkv
 from sparsevllm.sparse.registry import register_method, unregister_method
 
-FORMATS = ["fp8_e4m3", "int8"]
+FORMATS = ["fp8_e4m3", "int8", "int4", "int2"]
+SLOT_LOCAL = ["fp8_e4m3", "int8"]  # every byte of a token in its slot
+KIVI = ["int4", "int2"]  # + shared key groups and a residual window (kv/kivi.py)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 FIRST = [1] + [(5 * i) % 240 + 3 for i in range(150)]
 NEW = [9, 8, 7]
@@ -156,7 +158,7 @@ def test_disk_files_of_another_format_are_never_read(model, tmp_path):
     assert saved_chains("int8") == ["from-int8"]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", SLOT_LOCAL)
 @pytest.mark.parametrize("method", ["vanilla", "quest"])
 def test_radix_reuse_of_a_quantized_prefix_equals_recomputing_it(model, method, fmt):
     kw = dict(kv_cache_dtype=fmt, **knobs(method))
@@ -171,6 +173,39 @@ def test_radix_reuse_of_a_quantized_prefix_equals_recomputing_it(model, method, 
         LLM(model, enable_prefix_caching=False, **kw, **chunks).engine, FIRST + NEW, GREEDY
     )
     assert out.token_ids == fresh.token_ids
+
+
+def prefix_rows(llm: LLM, tokens: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Every layer's stored rows of the radix cache's prefix of `tokens` (sealed codes,
+    the key groups they reference)."""
+    slots, _ = llm.engine.store.tree.match(tokens)
+    at = torch.tensor(slots)
+    return [
+        {n: t.clone() for n, t in s.gather_rows(at).items()} for s in llm.engine.runner.kv_storage
+    ]
+
+
+@pytest.mark.parametrize("fmt", KIVI)
+@pytest.mark.parametrize("method", ["vanilla", "quest"])
+def test_radix_reuse_of_a_kivi_prefix_reads_the_sealed_codes_it_left(model, method, fmt):
+    """A finished request's view is sealed whole before the radix cache adopts it (its
+    residual tail too: cached KV holds no full-precision rows), so a request reusing the
+    prefix reads those codes and leaves them as they are, and two engines agree."""
+    kw = dict(kv_cache_dtype=fmt, kv_quant_group_size=8, kv_quant_residual=16, **knobs(method))
+    outs = []
+    for _ in range(2):
+        cached = LLM(model, **kw)
+        run_request(cached.engine, FIRST, GREEDY)
+        left = prefix_rows(cached, FIRST)
+        out, prefilled = run_request(cached.engine, FIRST + NEW, GREEDY)
+        assert prefilled < len(NEW) + 8  # the prefix came from the radix cache
+        assert same(left, prefix_rows(cached, FIRST))
+        outs.append(out.token_ids)
+        # Only running sequences hold residual rows; nothing runs now.
+        assert all(
+            s.num_residual_free == s.kivi.residual_rows for s in cached.engine.runner.kv_storage
+        )
+    assert outs[0] == outs[1]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from sparsevllm.kv.layout import SlotLayout, gqa_layout, latent_layout
-from sparsevllm.kv.names import FORMAT_NAMES
-from sparsevllm.kv.registry import create_storage, get_format, layer_bytes
+from sparsevllm.kv.registry import KV_FORMATS, create_storage, get_format, layer_bytes
 
 RANK, ROPE, SLOTS = 24, 8, 30
 LAYOUT = latent_layout(RANK, ROPE)
+LATENT_FORMATS = [name for name, fmt in KV_FORMATS.items() if fmt.stores_shared_kv]
 
 
 def make(name: str, dtype: torch.dtype = torch.float32):
@@ -24,7 +24,7 @@ def rows(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 1, RANK + ROPE, generator=g) * torch.logspace(-2, 1, n).view(n, 1, 1)
 
 
-@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("name", LATENT_FORMATS)
 def test_keys_are_the_rows_and_values_their_prefix(name):
     storage = make(name)
     x, slots = rows(12, 0), torch.randperm(SLOTS)[:12]
@@ -40,7 +40,7 @@ def test_keys_are_the_rows_and_values_their_prefix(name):
         assert float(err.max()) < 0.07
 
 
-@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("name", LATENT_FORMATS)
 def test_one_buffer_moves_each_token_once(name):
     storage = make(name, torch.bfloat16)
     storage.store(rows(10, 1), rows(10, 1)[..., :RANK], torch.arange(10))
@@ -91,3 +91,9 @@ def test_slot_minus_one_is_skipped():
 def test_bad_layouts_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SlotLayout(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["int4", "int2"])
+def test_a_format_that_cannot_store_latent_rows_names_the_ones_that_can(name):
+    with pytest.raises(ValueError, match="cannot store the mla_latent slot layout.*auto, fp8"):
+        make(name)

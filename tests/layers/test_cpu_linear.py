@@ -13,7 +13,8 @@ from sparsevllm.layers.cpu_linear import PackedLinear, pack_weight, packed_linea
 from sparsevllm.layers.linear import Projections, fuse_projections, pack_linears
 
 pytestmark = pytest.mark.skipif(
-    not packing_applies(torch.device("cpu"), torch.bfloat16), reason="torch without oneDNN"
+    not packing_applies(torch.device("cpu"), torch.bfloat16),
+    reason="no oneDNN bf16 reorder on this CPU/torch",
 )
 
 

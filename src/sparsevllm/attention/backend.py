@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from sparsevllm.attention.sparse_step import SparseStep
-from sparsevllm.kv.format import KVStorage
+from sparsevllm.kv.format import KVFormat, KVStorage
 from sparsevllm.kv.layout import SlotLayout
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,8 @@ class AttentionBackend(abc.ABC):
         self.storage = storage  # per layer
 
     @classmethod
-    def serves(cls, layout: SlotLayout) -> bool:
-        """Whether the backend's kernels read storage of this slot layout."""
+    def serves(cls, layout: SlotLayout, fmt: KVFormat) -> bool:
+        """Whether the backend's kernels read storage of this slot layout in `fmt`."""
         return True
 
     @abc.abstractmethod
@@ -144,17 +144,18 @@ def default_backend_name(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def backend_for(name: str, layout: SlotLayout) -> type[AttentionBackend]:
-    """Backend `name`, or the torch reference when its kernels do not read `layout`
-    (the reference reads every layout, on every device)."""
+def backend_for(name: str, layout: SlotLayout, fmt: KVFormat) -> type[AttentionBackend]:
+    """Backend `name`, or the torch reference when its kernels do not read `layout` in
+    `fmt` (the reference reads every layout and format, on every device)."""
     cls = get_backend_class(name)
-    if cls.serves(layout):
+    if cls.serves(layout, fmt):
         return cls
     logger.warning(
-        "the %s attention backend has no kernels for the %s slot layout: using the torch "
-        "reference backend (eager, no CUDA graphs)",
+        "the %s attention backend has no kernels for the %s slot layout in kv_cache_dtype "
+        "%s: using the torch reference backend (eager, no CUDA graphs)",
         name,
         layout.name,
+        fmt.name,
     )
     return get_backend_class("torch")
 

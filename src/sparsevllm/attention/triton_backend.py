@@ -22,6 +22,7 @@ from sparsevllm.attention.triton import (
     store_kv,
     window_attention_mass,
 )
+from sparsevllm.kv.format import KVFormat
 from sparsevllm.kv.layout import SlotLayout
 
 
@@ -29,9 +30,10 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     @classmethod
-    def serves(cls, layout: SlotLayout) -> bool:
-        # The kernels read separate K and V buffers of one head_dim (no MLA kernels yet).
-        return not layout.shared_kv
+    def serves(cls, layout: SlotLayout, fmt: KVFormat) -> bool:
+        # The kernels read separate K and V buffers of one head_dim (no MLA kernels yet),
+        # elements with at most a per-token scale (no packed KIVI codes yet).
+        return not layout.shared_kv and fmt.kernels == "elementwise"
 
     def forward(
         self,

@@ -79,6 +79,7 @@ class LLMEngine:
             cap.chunk_prefill_size,
             solo_prefill_threshold=cap.solo_prefill_threshold,
             store=self.store,
+            before_store=self.runner.seal_view,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         # Structured outputs: compiled constraints, shared by the requests that repeat one.

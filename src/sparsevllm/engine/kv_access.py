@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.kv_seal import KVSealer
 from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.view_positions import ViewPositions
@@ -31,8 +32,10 @@ class RunnerKV:
         tables: DeviceSlotTables | None = None,
         rows: SlotRows | None = None,
         rope: Callable[[int], torch.Tensor | None] | None = None,
+        sealer: KVSealer | None = None,
     ) -> None:
         self.pool = pool
+        self.sealer = sealer  # told of evictions (a format's residual tail moves)
         self._rope = rope  # the model's rope_frequencies (None: no RoPE known)
         self.tables = tables
         self.rows = rows
@@ -98,6 +101,8 @@ class RunnerKV:
         view_len = self.pool.num_resident(seq_id, group)
         self.positions.on_keep(seq_id, group, view_len, positions)
         self.pool.replace_view(seq_id, group, positions)
+        if self.sealer is not None:
+            self.sealer.on_keep(seq_id, group, view_len, positions)
 
     def keep_per_head(self, seq_id: int, layer: int, positions: torch.Tensor) -> None:
         group = self.pool.group_of_layer[layer]
@@ -115,3 +120,5 @@ class RunnerKV:
         n = positions.shape[1]
         self.storage[layer].compact_heads(src, table[:n])
         self.pool.truncate_view(seq_id, group, n)
+        if self.sealer is not None:
+            self.sealer.on_compact(seq_id, group)

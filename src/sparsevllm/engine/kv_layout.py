@@ -12,7 +12,7 @@ import torch
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.capacity import CapacityPlan
 from sparsevllm.engine.kv_pool import WindowGroup
-from sparsevllm.kv.format import KVFormat, KVStorage
+from sparsevllm.kv.format import FormatSizing, KVFormat, KVStorage
 from sparsevllm.kv.layout import SlotLayout
 from sparsevllm.kv.registry import create_storage, get_format, layer_bytes
 
@@ -53,6 +53,20 @@ class KVLayout:
             return None
         windowed = {layer for layer, _ in self.sliding}
         return [layer for layer in range(self.num_layers) if layer not in windowed]
+
+    def size_format(self, scratch: int) -> None:
+        """Size the format's state beside its slots (KIVI's residual rows and key groups)
+        for this engine's batch limits and `scratch` scoring-pass rows."""
+        cfg = self.config
+        self.kv_format = self.kv_format.sized(
+            FormatSizing(
+                group_size=cfg.kv_quant_group_size,
+                residual=cfg.kv_quant_residual,
+                max_num_seqs=cfg.max_num_seqs,
+                max_step_tokens=cfg.max_num_batched_tokens,
+                scratch_rows=scratch,
+            )
+        )
 
     def layer_bytes(self, fmt: KVFormat) -> int:
         """Bytes of one token's K and V (or latent row) at one layer stored in `fmt`."""
@@ -115,6 +129,8 @@ class KVLayout:
         # keys: the model dtype's size.
         main_bytes += state_bytes(self.slot.key_pair_bytes(self.dtype.itemsize))
         window_bytes += self.scratch_bytes(scratch)  # fixed as well
+        fixed = self.kv_format.fixed_bytes(self.num_kv_heads, self.head_dim, self.dtype)
+        window_bytes += main_layers * fixed  # e.g. KIVI's residual rows
         if cfg.kv_cache_memory_gb is None and self.device.type != "cuda":
             # Enough for every sequence at full length, but never more than 1 GiB.
             budget = window_bytes + self.capacity.cpu_kv_bytes(main_bytes)

@@ -29,6 +29,7 @@ import collections
 import itertools
 import operator
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +64,8 @@ class _GroupAllocator:
         if shuffle_seed is not None:  # see EngineConfig.kv_slot_order
             random.Random(shuffle_seed).shuffle(self._free)
         self.peak_used = 0
+        # Told of every slot freed (a storage keeping state beside its rows drops it).
+        self.on_free: Callable[[list[int]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -85,6 +88,8 @@ class _GroupAllocator:
 
     def free(self, slots: list[int]) -> None:
         self._free.extend(reversed(slots))
+        if self.on_free is not None and slots:
+            self.on_free(slots)
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,10 @@ class KVPool:
     def reset_peak(self) -> None:
         for a in self._alloc:
             a.peak_used = a.num_used
+
+    def on_free(self, group: int, callback: Callable[[list[int]], None]) -> None:
+        """Call `callback(slots)` whenever slots of `group` return to the free list."""
+        self._alloc[group].on_free = callback
 
     # -- the change record ------------------------------------------------------------
     def clean_prefix(self, seq_id: int) -> list[int]:

@@ -21,6 +21,7 @@ from sparsevllm.engine.grammar_mask import grammar_bitmask
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_layout import KVLayout
 from sparsevllm.engine.kv_pool import KVPool, WindowGroup
+from sparsevllm.engine.kv_seal import KVSealer
 from sparsevllm.engine.method_set import MethodSet, StepMethods
 from sparsevllm.engine.scoring_pass import ScoringPasses
 from sparsevllm.engine.slot_rows import SlotRows
@@ -72,6 +73,7 @@ class ModelRunner:
     tables: DeviceSlotTables
     kv: RunnerKV
     scoring: ScoringPasses
+    sealer: KVSealer
     graphs: DecodeGraphs | None = None
 
     def __init__(self, config: EngineConfig, source: ModelSource, capacity: CapacityPlan) -> None:
@@ -109,15 +111,16 @@ class ModelRunner:
             model_identity(source.path, hf.to_dict()),
         )
         self.method = self.methods.default  # the engine's configured method
-        self.kv_format = self.layout.kv_format
-        check_device(self.kv_format, self.device)
+        check_device(self.layout.kv_format, self.device)
         act = capacity.activation_bytes(
             hf.hidden_size, hf.intermediate_size, hf.vocab_size, hf.num_attention_heads
         )
         scratch = self.methods.reserve_scoring_slots()  # scoring passes' temporary K/V
+        self.layout.size_format(scratch)
+        self.kv_format = self.layout.kv_format
         self.num_slots = self.layout.num_slots(self.methods.state_bytes_per_slot, act, scratch)
         self.kv_storage: list[KVStorage] = self.layout.create(self.num_slots, scratch)
-        backend = backend_for(default_backend_name(self.device), self.slot_layout)
+        backend = backend_for(default_backend_name(self.device), self.slot_layout, self.kv_format)
         self.backend = backend(self.kv_storage)
         self.scratch_slots = scratch
         self._encode = encoder_of(source)
@@ -166,6 +169,7 @@ class ModelRunner:
         will resume after a preemption); its table row is the host's (`SlotRows`)."""
         self.methods.release(seq_id, unbind=not keep_generator)
         self.kv.forget(seq_id)
+        self.sealer.forget(seq_id)
         if not keep_generator:
             self.generators.pop(seq_id, None)
 
@@ -204,7 +208,9 @@ class ModelRunner:
             hidden = self.model(input_ids, batch)  # [T, hidden]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
         self.scoring.run(methods.scoring_requests(steps), plan, self.tables.table)
+        self.sealer.grow(steps)
         methods.after_step(steps, batch.sparse.row_scores())
+        self.sealer.seal_due(steps)
         self._trim_windows(steps)
         return logits if plan.sample_rows else None
 
@@ -228,8 +234,15 @@ class ModelRunner:
         """Logits at every planned position, `[T, vocab]` (teacher forcing, no sampling)."""
         batch, input_ids, steps, _ = self._prepare(plan)
         logits = self.model.compute_logits(self.model(input_ids, batch)).float()
+        self.sealer.grow(steps)
+        self.sealer.seal_due(steps)
         self._trim_windows(steps)
         return logits
+
+    def seal_view(self, seq_id: int) -> None:
+        """Quantize every residual token of `seq_id`'s views (before the prefix store
+        adopts them: cached KV holds no residual rows, see engine/kv_seal.py)."""
+        self.sealer.seal_all(seq_id)
 
     def _trim_windows(self, steps: list[SeqStep]) -> None:
         """Drop what sliding-window layers will never read again (see KVPool.trim; the
@@ -256,7 +269,13 @@ class ModelRunner:
         self.pool = pool
         self.rows = rows
         self.tables = DeviceSlotTables(pool.num_groups, rows.num_rows, rows.max_len, self.device)
-        self.kv = RunnerKV(pool, self.kv_storage, self.tables, rows, rope_of(self.model))
+        cfg = self.config
+        self.sealer = KVSealer(
+            pool, self.kv_storage, cfg.kv_quant_group_size, cfg.kv_quant_residual
+        )
+        self.kv = RunnerKV(
+            pool, self.kv_storage, self.tables, rows, rope_of(self.model), self.sealer
+        )
         self.scoring = ScoringPasses(
             self.model,
             self.backend,

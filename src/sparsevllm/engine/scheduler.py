@@ -73,8 +73,12 @@ class Scheduler:
         slots_for_step: Callable[[Sequence, int], int] | None = None,
         solo_prefill_threshold: int | None = None,
         store: PrefixStore | None = None,
+        before_store: Callable[[int], None] | None = None,
     ) -> None:
+        """`before_store(seq_id)` runs before `store` adopts a finished request's KV (the
+        runner seals a format's residual tokens there: cached KV holds none)."""
         self.pool = pool
+        self.before_store = before_store
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_prefill_size = chunk_prefill_size
@@ -111,6 +115,8 @@ class Scheduler:
             self.waiting.remove(seq)
         done = reason in ("stop", "length") and self.pool.has(seq.seq_id)
         if self.store is not None and done:
+            if self.before_store is not None:
+                self.before_store(seq.seq_id)
             seq.parked = self.store.finish(seq)
         else:
             self._release(seq)

@@ -29,6 +29,11 @@ import torch
 KVPair = tuple[torch.Tensor, torch.Tensor]
 
 
+class GroupsExhausted(RuntimeError):
+    """A format's shared groups (KIVI's key groups) are all referenced: the engine
+    re-groups the running views (`compact_heads` in place) and tries again."""
+
+
 class KVStorage(abc.ABC):
     """One layer's K and V in one format.
 
@@ -41,6 +46,10 @@ class KVStorage(abc.ABC):
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+
+    # Whether the newest tokens of a sequence wait in full precision until the engine
+    # seals them (`seal`; KIVI's residual window, kv/kivi.py and engine/kv_seal.py).
+    holds_residual = False
 
     def __init__(self, fmt: KVFormat, dtype: torch.dtype) -> None:
         self.format = fmt
@@ -125,6 +134,20 @@ class KVStorage(abc.ABC):
         for name, buf in buffers.items():
             buf[slots] = rows[name].to(buf.device)
 
+    def seal(self, groups: torch.Tensor) -> None:
+        """Quantize the residual entries of slot groups `[n, G]` (-1: padding); only
+        formats that hold a residual have any."""
+        raise NotImplementedError(f"{self.format.name} storage holds no residual tokens")
+
+    def release(self, slots: torch.Tensor) -> None:
+        """The pool freed `slots` `[n]`: drop what the storage keeps for them beside
+        their rows (nothing, in a slot-only format)."""
+        return None
+
+    def residual_tail(self, slots: torch.Tensor) -> int:
+        """How many trailing entries of a view `[L]` are residual tokens."""
+        return 0
+
     def bytes_per_slot(self) -> int:
         """Bytes one token takes in this layer (every buffer's row)."""
         return sum(b[0].numel() * b.element_size() for b in self.buffers().values())
@@ -140,6 +163,23 @@ def rows_at(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     indexing (the reference backend reads every view this way)."""
     flat = buf.index_select(0, slots.reshape(-1))
     return flat.view(*slots.shape, *buf.shape[1:])
+
+
+# Tier rows whose name starts with this are a format's shared state (e.g. KIVI's key
+# groups), not one row per slot.
+SHARED_PREFIX = "shared."
+
+
+@dataclass(frozen=True)
+class FormatSizing:
+    """What a format with state beside its slots sizes that state for: its knobs and
+    the engine's limits."""
+
+    group_size: int  # KIVI's G: tokens per key group
+    residual: int  # KIVI's R: newest tokens kept in full precision
+    max_num_seqs: int
+    max_step_tokens: int  # new tokens one step stores (max_num_batched_tokens)
+    scratch_rows: int  # scoring passes' rows beside the pool
 
 
 StorageFactory = Callable[["KVFormat", int, int, int, torch.dtype, torch.device], KVStorage]
@@ -162,6 +202,11 @@ class KVFormat:
     devices: tuple[str, ...] = ("cpu", "cuda")
     # Lowest CUDA compute capability whose Triton kernels convert the element type.
     min_cuda_capability: tuple[int, int] = (0, 0)
+    # Whether the format stores a shared-KV layout (MLA's latent row) as well.
+    stores_shared_kv: bool = True
+    # What a kernel reads: "elementwise" (one element per channel, at most a scale per
+    # token and head: the Triton kernels), or the name of another kernel family.
+    kernels: str = "elementwise"
 
     @property
     def is_model_dtype(self) -> bool:
@@ -172,6 +217,14 @@ class KVFormat:
         elem = torch.empty((), dtype=self.element_dtype or model_dtype).element_size()
         per_head = head_dim * elem + (4 if self.scaled else 0)
         return 2 * num_kv_heads * per_head
+
+    def fixed_bytes(self, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype) -> int:
+        """Bytes one layer's storage holds beside its slots (none for slot-only formats)."""
+        return 0
+
+    def sized(self, sizing: FormatSizing) -> KVFormat:
+        """This format with its state sized for an engine (slot-only formats: itself)."""
+        return self
 
     def create(
         self,

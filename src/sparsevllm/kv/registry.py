@@ -6,12 +6,13 @@ import torch
 
 from sparsevllm.kv.dense import MODEL_DTYPE
 from sparsevllm.kv.format import KVFormat, KVStorage
+from sparsevllm.kv.kivi import INT2, INT4
 from sparsevllm.kv.latent import LatentStorage
 from sparsevllm.kv.layout import SlotLayout
 from sparsevllm.kv.names import FORMAT_NAMES, check_format_name
 from sparsevllm.kv.scaled import FP8_E4M3, INT8
 
-KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (MODEL_DTYPE, FP8_E4M3, INT8)}
+KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (MODEL_DTYPE, FP8_E4M3, INT8, INT4, INT2)}
 if tuple(KV_FORMATS) != FORMAT_NAMES:
     raise ImportError(f"kv/names.py lists {FORMAT_NAMES}, the registry {tuple(KV_FORMATS)}")
 
@@ -36,10 +37,22 @@ def check_device(fmt: KVFormat, device: torch.device) -> None:
     )
 
 
+def check_layout(fmt: KVFormat, layout: SlotLayout) -> None:
+    """Raise a ValueError naming the usable formats when `fmt` cannot store `layout`."""
+    if fmt.stores_shared_kv or not layout.shared_kv:
+        return
+    usable = [f.name for f in KV_FORMATS.values() if f.stores_shared_kv]
+    raise ValueError(
+        f"kv_cache_dtype {fmt.name!r} cannot store the {layout.name} slot layout (one "
+        f"latent row per token); usable with it: {', '.join(usable)}"
+    )
+
+
 def create_storage(
     fmt: KVFormat, num_slots: int, layout: SlotLayout, dtype: torch.dtype, device: torch.device
 ) -> KVStorage:
     """One layer's storage of `layout` in `fmt`: per-head K and V, or one latent row."""
+    check_layout(fmt, layout)
     if layout.shared_kv:
         return LatentStorage(fmt, num_slots, layout, dtype, device)
     return fmt.create(num_slots, layout.num_kv_heads, layout.head_dim, dtype, device)

@@ -14,13 +14,28 @@ up-projections read them), so a packed model holds its linear weights twice.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this build of torch packs bfloat16 weights for this CPU (oneDNN present)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """Whether this torch build packs bfloat16 weights for this CPU: oneDNN is present and
+    its bf16 reorder runs here (it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere the
+    model keeps plain `F.linear`, which computes bf16 through float32)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _cpu_packs_bfloat16()
+
+
+@functools.cache
+def _cpu_packs_bfloat16() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        pack_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:  # "bf16 path needs the cpu support ..."
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

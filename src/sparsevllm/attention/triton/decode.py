@@ -420,21 +420,8 @@ def decode_attention(
         num_stages=num_stages,
     )
     if num_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_q_heads)](
-            ws_m,
-            ws_l,
-            ws_acc,
-            out,
-            lse,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=next_pow2(num_splits),
-            WRITE_SCORES=write_scores,
-            num_warps=4 if block_d * next_pow2(num_splits) >= 4096 else 1,
-        )
+        assert ws_m is not None and ws_l is not None and ws_acc is not None
+        merge_splits(ws_m, ws_l, ws_acc, out, lse)
     if scores_out is not None:
         block = 1024
         _scores_normalize_kernel[(num_seqs, num_q_heads, triton.cdiv(max_len, block))](
@@ -448,6 +435,33 @@ def decode_attention(
             num_warps=4,
         )
     return out
+
+
+def merge_splits(
+    ws_m: torch.Tensor,  # [S, Hq, splits] float32: each split's running max
+    ws_l: torch.Tensor,  # [S, Hq, splits] float32: each split's sum of exponentials
+    ws_acc: torch.Tensor,  # [S, Hq, splits, BLOCK_D] float32: each split's P @ V
+    out: torch.Tensor,  # [S, Hq, D]
+    lse: torch.Tensor | None = None,  # [S, Hq] float32: receives the base-2 log-sum-exp
+) -> None:
+    """Merge split-K partial softmax states into `out` (the decode kernels' second pass)."""
+    num_seqs, num_q_heads, num_splits = ws_m.shape
+    block_d = ws_acc.shape[-1]
+    _decode_merge_kernel[(num_seqs, num_q_heads)](
+        ws_m,
+        ws_l,
+        ws_acc,
+        out,
+        lse,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=out.shape[-1],
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        BLOCK_SPLITS=next_pow2(num_splits),
+        WRITE_SCORES=lse is not None,
+        num_warps=4 if block_d * next_pow2(num_splits) >= 4096 else 1,
+    )
 
 
 def _lens_strides(subset_lens: torch.Tensor | None) -> tuple[int, int]:

@@ -45,6 +45,7 @@ import torch
 
 from sparsevllm.engine.cache.kv_rows import HostRows, StatePayload
 from sparsevllm.engine.cache.tiering import DiskRecord, SavedEntry
+from sparsevllm.kv.format import SHARED_PREFIX
 
 if TYPE_CHECKING:
     from sparsevllm.config import EngineConfig
@@ -71,6 +72,8 @@ def kv_fingerprint(
         "weights_seed": config.seed if source.load_format == "dummy" else None,
         "dtype": str(runner.dtype),
         "kv_cache_dtype": runner.kv_format.name,
+        # KIVI's codes depend on the group size (the residual is sealed before saving).
+        "kv_quant_group_size": config.kv_quant_group_size,
         "num_layers": runner.num_layers,
         "num_kv_heads": runner.num_kv_heads,
         "head_dim": runner.head_dim,
@@ -242,7 +245,10 @@ class DiskTier:
             raise CorruptEntry(f"{entry.path.name} cannot be read: {e}") from e
         if digest != meta.get("digest"):
             raise CorruptEntry(f"{entry.path.name} does not hold what was written")
-        if any(len(t) not in entry.counts for layer in rows for t in layer.values()):
+        per_slot = (
+            t for layer in rows for n, t in layer.items() if not n.startswith(SHARED_PREFIX)
+        )
+        if any(len(t) not in entry.counts for t in per_slot):
             raise CorruptEntry(f"{entry.path.name} has rows for other slot counts")
         return rows, cast(StatePayload, data["state"])
 

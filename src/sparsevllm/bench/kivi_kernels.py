@@ -1,0 +1,170 @@
+"""Correctness check + timing of the KIVI decode kernel (int4 / int2) on a CUDA GPU,
+side by side with the bf16 decode kernel over the same views.
+
+    python -m sparsevllm.bench.kivi_kernels --json out.json
+
+Batch 64 x 8K context (Llama-3-8B layer shapes: Hq 32, Hkv 8, D 128, bf16 queries),
+views over randomly permuted slots. Each view's newest `--residual` tokens stay in
+full precision, the rest is sealed in order (G = `--group` tokens to a key group), as
+the engine leaves a view after prefill. The byte floor counts what the kernel must read:
+codes, value parameters, each slot's state and table entry, each key group's parameters
+once, and the residual rows; over the bandwidth of a large device-to-device copy.
+Times are triton.testing.do_bench medians in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+import torch
+
+from sparsevllm.attention import torch_ref
+from sparsevllm.attention.triton import decode_attention
+from sparsevllm.attention.triton.decode_kivi import kivi_decode_attention
+from sparsevllm.bench.kernels import DTYPE, HKV, HQ, D, copy_bandwidth, median_ms, rel_err
+from sparsevllm.kv.format import FormatSizing
+from sparsevllm.kv.kivi import KiviStorage
+from sparsevllm.kv.registry import get_format
+
+STORE_CHUNK = 8192  # tokens stored, then sealed, at a time
+
+
+def build(name: str, batch: int, ctx: int, group: int, residual: int) -> dict[str, Any]:
+    """KIVI storage of `batch` views of `ctx` tokens (random K/V) and their tables."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    sizing = FormatSizing(group, residual, batch, STORE_CHUNK, scratch_rows=0)
+    fmt = get_format(name).sized(sizing)
+    num_slots = batch * ctx
+    storage = fmt.create(num_slots, HKV, D, DTYPE, device)
+    assert isinstance(storage, KiviStorage)
+    table = torch.randperm(num_slots, device=device, generator=gen).to(torch.int32)
+    table = table.view(batch, ctx).contiguous()  # [batch, ctx]
+    for s in range(batch):
+        for a in range(0, ctx, STORE_CHUNK):
+            slots = table[s, a : a + STORE_CHUNK].long()
+            k = torch.randn(slots.numel(), HKV, D, device=device, dtype=DTYPE, generator=gen)
+            v = torch.randn(slots.numel(), HKV, D, device=device, dtype=DTYPE, generator=gen)
+            storage.store(k, v, slots)
+            sealed = min(slots.numel(), max(0, ctx - residual - a)) // group * group
+            if sealed:
+                storage.seal(slots[:sealed].view(-1, group))
+    return dict(storage=storage, table=table, sealed=(ctx - residual) // group * group)
+
+
+def floor_bytes(storage: KiviStorage, batch: int, ctx: int, sealed: int) -> int:
+    """What one decode step over every view must read (module docstring)."""
+    per_sealed = HKV * (2 * D * storage.bits // 8 + 4)  # codes + value (scale, zero)
+    groups = batch * math.ceil(sealed / storage.kivi.group_size)
+    residual = batch * (ctx - sealed)
+    return (
+        batch * sealed * per_sealed
+        + groups * HKV * D * 4
+        + residual * HKV * D * 2 * DTYPE.itemsize
+        + batch * ctx * (4 + 4)  # state + table entry
+    )
+
+
+def bench(name: str, batch: int, ctx: int, group: int, residual: int, bw: float) -> dict[str, Any]:
+    built = build(name, batch, ctx, group, residual)
+    storage, table = built["storage"], built["table"]
+    device = table.device
+    rows = torch.arange(batch, dtype=torch.int32, device=device)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(batch, HQ, D, device=device, dtype=DTYPE, generator=gen)
+    out = torch.empty_like(q)
+    scale = D**-0.5
+    buffers = storage.buffers()
+
+    def run(**kw: Any) -> None:
+        kivi_decode_attention(
+            q, buffers["k"], buffers["v"], buffers["v_params"], buffers["state"],
+            storage.key_groups, storage.res_k, storage.res_v, table, rows, lens, scale, out,
+            bits=storage.bits, **kw,
+        )  # fmt: skip
+
+    run()
+    errs = []
+    for s in (0, batch - 1):
+        k, v = storage.read(table[s].long())
+        ref = torch_ref.attend(q[s : s + 1].float(), k.float(), v.float(), scale)
+        errs.append(rel_err(out[s], ref[0]))
+    nbytes = floor_bytes(storage, batch, ctx, built["sealed"])
+    floor_ms = nbytes / bw * 1e3
+    configs: list[dict[str, Any]] = [dict(num_splits=None, block_n=bn) for bn in (32, 64)]
+    configs += [dict(num_splits=n, block_n=32) for n in (1, 2, 4, 8, 16)]
+    configs += [dict(num_splits=None, block_n=32, num_stages=3), dict(num_splits=None, num_warps=8)]
+    results = []
+    for cfg in configs:
+        ms = median_ms(lambda cfg=cfg: run(**cfg))
+        name_ = ", ".join(f"{k}={v}" for k, v in cfg.items())
+        results.append(dict(config=name_, ms=ms, floor_frac=floor_ms / ms))
+    best = min(results, key=lambda r: r["ms"])
+    return dict(
+        kv_cache_dtype=name, group=group, residual=residual, floor_bytes=nbytes,
+        floor_ms=floor_ms, max_rel_err=max(errs), configs=results, best=best,
+    )  # fmt: skip
+
+
+def bench_bf16(batch: int, ctx: int, bw: float) -> dict[str, Any]:
+    """The bf16 decode kernel over the same shapes (its floor: K + V bytes)."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    num_slots = batch * ctx
+    k = torch.randn(num_slots, HKV, D, device=device, dtype=DTYPE, generator=gen)
+    v = torch.randn_like(k)
+    table = torch.randperm(num_slots, device=device, generator=gen).to(torch.int32)
+    table = table.view(batch, ctx).contiguous()
+    rows = torch.arange(batch, dtype=torch.int32, device=device)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HQ, D, device=device, dtype=DTYPE, generator=gen)
+    out = torch.empty_like(q)
+    ms = median_ms(lambda: decode_attention(q, k, v, table, rows, lens, D**-0.5, out))
+    nbytes = 2 * num_slots * HKV * D * DTYPE.itemsize + num_slots * 4
+    return dict(ms=ms, floor_bytes=nbytes, floor_frac=nbytes / bw * 1e3 / ms)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--batch", type=int, default=64, help="sequences (default 64)")
+    parser.add_argument("--ctx", type=int, default=8192, help="tokens per view (default 8192)")
+    parser.add_argument("--group", type=int, default=32, help="KIVI's G (default 32)")
+    parser.add_argument("--residual", type=int, default=128, help="KIVI's R (default 128)")
+    parser.add_argument("--formats", default="int4,int2", help="comma-separated (int4,int2)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kivi_kernels needs a CUDA GPU")
+    bw = copy_bandwidth(torch.device("cuda"))
+    dense = bench_bf16(args.batch, args.ctx, bw)
+    torch.cuda.empty_cache()
+    formats = []
+    for name in args.formats.split(","):
+        formats.append(bench(name, args.batch, args.ctx, args.group, args.residual, bw))
+        torch.cuda.empty_cache()
+    result = dict(
+        device=torch.cuda.get_device_name(0), torch=torch.__version__, batch=args.batch,
+        ctx=args.ctx, copy_bw_tb_per_s=bw / 1e12, bf16=dense, kivi=formats,
+    )  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(f"{result['device']}: copy bandwidth {bw / 1e12:.2f} TB/s; B={args.batch} x {args.ctx}")
+    print(f"  bf16 decode {dense['ms']:.3f} ms ({dense['floor_frac']:.2f} of its floor)")
+    for r in formats:
+        b = r["best"]
+        print(
+            f"  {r['kv_cache_dtype']}: floor {r['floor_ms']:.3f} ms, best {b['ms']:.3f} ms "
+            f"({b['config']}; {b['floor_frac']:.2f} of the floor, {dense['ms'] / b['ms']:.2f}x "
+            f"bf16), rel err {r['max_rel_err']:.1e}"
+        )
+
+
+if __name__ == "__main__":
+    main()

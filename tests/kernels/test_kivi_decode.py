@@ -1,0 +1,108 @@
+"""The KIVI decode kernel (attention/triton/decode_kivi.py) against float64 attention over
+the torch reference's dequantized reads (`KiviStorage.read`), on views that mix tiles
+of one sealed key group (the folded path), tiles spanning groups, residual tails,
+re-grouped (compacted) entries and empty views.
+
+Shapes are tiny: under TRITON_INTERPRET=1 these run on the CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_env import DEVICE, require_triton
+
+require_triton()
+
+from sparsevllm.attention import torch_ref  # noqa: E402
+from sparsevllm.attention.triton.decode_kivi import kivi_decode_attention  # noqa: E402
+from sparsevllm.kv.format import FormatSizing  # noqa: E402
+from sparsevllm.kv.registry import get_format  # noqa: E402
+
+HEAD_DIM, G = 64, 16
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def build(name: str, dtype: torch.dtype, lens: list[int], num_kv_heads: int, seed: int):
+    """A KIVI storage holding `len(lens)` views; each view's leading entries are sealed in
+    order (G to a group), some views are compacted per head, the rest stay residual."""
+    gen = torch.Generator().manual_seed(seed)
+    sizing = FormatSizing(G, 4, max_num_seqs=len(lens), max_step_tokens=sum(lens), scratch_rows=0)
+    num_slots = sum(lens) + 9
+    storage = (
+        get_format(name)
+        .sized(sizing)
+        .create(num_slots, num_kv_heads, HEAD_DIM, dtype, torch.device("cpu"))
+    )
+    free = torch.randperm(num_slots - 1, generator=gen) + 1  # slot 0 pads the table
+    table = torch.zeros(len(lens) + 2, max(lens) + 3, dtype=torch.int32)
+    rows = torch.randperm(table.shape[0], generator=gen)[: len(lens)].to(torch.int32)
+    offset = 0
+    for i, (row, n) in enumerate(zip(rows.tolist(), lens)):
+        slots = free[offset : offset + n]
+        offset += n
+        kv = torch.randn(2, n, num_kv_heads, HEAD_DIM, generator=gen)
+        kv[0, :, :, 5] *= 12.0  # an outlier key channel
+        storage.store(kv[0].to(dtype), kv[1].to(dtype), slots)
+        sealed = (n - 4) // G * G if n > 4 else 0  # R = 4 residual at the end
+        if sealed:
+            storage.seal(slots[:sealed].view(-1, G))
+        if i % 3 == 2 and n > 6:  # per-head compaction: misaligned, re-grouped tiles
+            keep = n - 3
+            pos = torch.stack(
+                [torch.randperm(n, generator=gen)[:keep].sort().values for _ in range(num_kv_heads)]
+            )
+            storage.compact_heads(slots[pos].t(), slots[:keep])
+            storage.release(slots[keep:])
+            n, slots = keep, slots[:keep]
+            lens[i] = keep
+        table[row, :n] = slots.to(torch.int32)
+    return storage, table, rows, torch.tensor(lens, dtype=torch.int32)
+
+
+def reference(q, storage, table, rows, lens, scale) -> torch.Tensor:
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        if n == 0:
+            continue
+        k, v = storage.read(table[int(rows[s]), :n].long())
+        out[s] = torch_ref.attend(q[s : s + 1].double(), k.double(), v.double(), scale)[0]
+    return out
+
+
+@pytest.mark.parametrize("name", ["int4", "int2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,num_splits", [((4, 2), 1), ((8, 2), 3), ((3, 1), 2)])
+def test_kivi_decode_equals_the_reference_over_dequantized_reads(name, dtype, heads, num_splits):
+    num_q_heads, num_kv_heads = heads
+    lens = [1, 5, 19, 40, 71, 0, 33]
+    storage, table, rows, lens_t = build(name, dtype, lens, num_kv_heads, seed=num_splits)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(len(lens), num_q_heads, HEAD_DIM, generator=gen).to(dtype)
+    scale = HEAD_DIM**-0.5
+    ref = reference(q, storage, table, rows, lens_t, scale)
+    dev = {n: t.to(DEVICE) for n, t in storage.buffers().items()}
+    out = torch.empty_like(q, device=DEVICE)
+    kivi_decode_attention(
+        q.to(DEVICE),
+        dev["k"],
+        dev["v"],
+        dev["v_params"],
+        dev["state"],
+        storage.key_groups.to(DEVICE),
+        storage.res_k.to(DEVICE),
+        storage.res_v.to(DEVICE),
+        table.to(DEVICE),
+        rows.to(DEVICE),
+        lens_t.to(DEVICE),
+        scale,
+        out,
+        bits=storage.bits,
+        num_splits=num_splits,
+        block_n=16,
+    )
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert float(err) < TOL[dtype]
+    assert torch.equal(out[lens_t == 0].cpu(), torch.zeros_like(out[lens_t == 0].cpu()))
