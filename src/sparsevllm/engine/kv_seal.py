@@ -62,6 +62,8 @@ class KVSealer:
 
     def grow(self, steps: list[SeqStep]) -> None:
         """The step's new tokens joined every view's residual tail."""
+        if not self.storages:
+            return  # a format without a residual: nothing to track on the hot path
         for step in steps:
             tails = self._tails(step.seq_id)
             for g in self.storages:
@@ -69,6 +71,8 @@ class KVSealer:
 
     def seal_due(self, steps: list[SeqStep]) -> None:
         """Seal the oldest whole groups of every tail of R + G tokens or more."""
+        if not self.storages:
+            return
         g_size, due = self.group_size, self.residual + self.group_size
         batches: dict[int, list[int]] = {g: [] for g in self.storages}
         for step in steps:

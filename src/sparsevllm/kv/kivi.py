@@ -20,7 +20,7 @@ Shared by the slots:
   zero point, and `group_refs` `[num_groups]`, how many held slots were sealed in it
   (a group is free again when no slot references it: an evicted token leaves its
   group's parameters to the tokens that stay);
-- `res_k`, `res_v`: the residual rows in the model dtype, handed out from a free stack.
+- `res_k`, `res_v`: the residual rows in the model dtype, handed out from a free list.
 
 Who decides what to seal is the engine (engine/kv_seal.py): it knows each sequence's view
 and seals the oldest G residual entries once more than R + G - 1 are there. A token is
@@ -202,16 +202,20 @@ class KiviStorage(KVStorage):
             return
         slots, valid, st = slots[used], valid[used], st[used]
         rows = (-st.long() - 2).clamp(min=0)
-        kf = self.res_k[rows].float()  # [n, G, Hkv, D]
+        self._new_groups(slots, self.res_k[rows].float(), valid)  # keys [n, G, Hkv, D]
+        self._write_values(slots[valid], self.res_v[rows[valid]].float())
+        self._free_rows.extend(rows[valid].tolist())
+
+    def _new_groups(self, slots: torch.Tensor, kf: torch.Tensor, valid: torch.Tensor) -> None:
+        """Quantize keys `kf` `[n, G, Hkv, D]` (float32) of slots `[n, G]` where `valid`
+        `[n, G]`: row i's valid entries become one new key group."""
         gids = self.take_groups(slots.shape[0])
         par = codes.group_params(kf, valid, self.bits)  # [n, Hkv, D, 2]
         self.key_groups[gids] = par
         self.group_refs[gids] = valid.sum(1).int()
-        at = slots[valid]
-        self.k[at] = codes.pack(codes.quantize(kf, par.unsqueeze(1), self.bits)[valid], self.bits)
-        self._write_values(at, self.res_v[rows[valid]].float())
-        self._free_rows.extend(rows[valid].tolist())
-        self.state[at] = gids.unsqueeze(1).expand_as(slots)[valid].int()
+        q = codes.quantize(kf, par.unsqueeze(1), self.bits)[valid]
+        self.k[slots[valid]] = codes.pack(q, self.bits)
+        self.state[slots[valid]] = gids.unsqueeze(1).expand_as(slots)[valid].int()
 
     def _write_values(self, slots: torch.Tensor, vf: torch.Tensor) -> None:
         """Quantize values `[n, Hkv, D]` (float32) per token into `slots` `[n]`."""
@@ -308,15 +312,10 @@ class KiviStorage(KVStorage):
         num = math.ceil(n / g)
         padded = torch.zeros((num * g, *kf.shape[1:]), dtype=kf.dtype, device=kf.device)
         padded[:n] = kf
-        padded = padded.view(num, g, *kf.shape[1:])
+        grid = torch.zeros(num * g, dtype=torch.long, device=kf.device)
+        grid[:n] = slots
         valid = (torch.arange(num * g, device=kf.device) < n).view(num, g)
-        gids = self.take_groups(num)
-        par = codes.group_params(padded, valid, self.bits)  # [num, Hkv, D, 2]
-        self.key_groups[gids] = par
-        self.group_refs[gids] = valid.sum(1).int()
-        q = codes.quantize(padded, par.unsqueeze(1), self.bits).flatten(0, 1)[:n]
-        self.k[slots] = codes.pack(q, self.bits)
-        self.state[slots] = gids.repeat_interleave(g)[:n].int()
+        self._new_groups(grid.view(num, g), padded.view(num, g, *kf.shape[1:]), valid)
 
     def gather_rows(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows at `slots` `[n]` in the stored form plus their key groups: `state` holds
