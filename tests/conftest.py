@@ -93,11 +93,15 @@ def _make(kind: str, path: Path) -> str:
     )
 
     seeds = {"llama": 0, "qwen2": 1, "qwen3": 2, "llama4": 3, "qwen3_moe": 4, "mixtral": 5}
+    seeds["llama_hd64"] = 6
     torch.manual_seed(seeds[kind])
     if kind in ("qwen3_moe", "mixtral"):
         model = _make_moe(kind)
     elif kind == "llama4":  # four layers: room for sparse layouts across depth
         cfg = LlamaConfig(**{**TINY, "num_hidden_layers": 4}, tie_word_embeddings=True)
+        model = LlamaForCausalLM(cfg)
+    elif kind == "llama_hd64":  # KIVI's kernel needs planes of >= 16 channels (int2: D 64)
+        cfg = LlamaConfig(**{**TINY, "num_hidden_layers": 2}, head_dim=64, tie_word_embeddings=True)
         model = LlamaForCausalLM(cfg)
     elif kind == "llama":
         cfg = LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False)

@@ -1,7 +1,7 @@
 """The KIVI decode kernel (attention/triton/decode_kivi.py) against float64 attention over
 the torch reference's dequantized reads (`KiviStorage.read`), on views that mix tiles
-of one sealed key group (the folded path), tiles spanning groups, residual tails,
-re-grouped (compacted) entries and empty views.
+of one sealed key group (the fast loop), tiles spanning groups, residual tails,
+re-grouped (compacted) entries and empty views; and where the fast loop ends.
 
 Shapes are tiny: under TRITON_INTERPRET=1 these run on the CPU interpreter.
 """
@@ -16,7 +16,10 @@ from kernel_env import DEVICE, require_triton
 require_triton()
 
 from sparsevllm.attention import torch_ref  # noqa: E402
-from sparsevllm.attention.triton.decode_kivi import kivi_decode_attention  # noqa: E402
+from sparsevllm.attention.triton.decode_kivi import (  # noqa: E402
+    kivi_decode_attention,
+    kivi_tile_plan,
+)
 from sparsevllm.kv.format import FormatSizing  # noqa: E402
 from sparsevllm.kv.registry import get_format  # noqa: E402
 
@@ -106,3 +109,37 @@ def test_kivi_decode_equals_the_reference_over_dequantized_reads(name, dtype, he
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert float(err) < TOL[dtype]
     assert torch.equal(out[lens_t == 0].cpu(), torch.zeros_like(out[lens_t == 0].cpu()))
+
+
+def expected_fast_len(state: torch.Tensor, view: torch.Tensor, block_n: int) -> int:
+    """Leading entries of `view` in tiles of `block_n` whose entries share one key group."""
+    st = state[view.long()].tolist()
+    for j in range(0, len(st), block_n):
+        tile = st[j : j + block_n]
+        if min(tile) < 0 or min(tile) != max(tile):
+            return j
+    return len(st)
+
+
+@pytest.mark.parametrize("name", ["int4", "int2"])
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_fast_loop_covers_the_leading_one_group_tiles(name, block_n):
+    lens = [1, 5, 19, 40, 71, 0, 33, 64]
+    storage, table, rows, lens_t = build(name, torch.float32, lens, 2, seed=block_n)
+    fast, tile_group = kivi_tile_plan(
+        storage.state.to(DEVICE), table.to(DEVICE), rows.to(DEVICE), lens_t.to(DEVICE), block_n
+    )
+    got = fast.cpu()
+    want = [
+        expected_fast_len(storage.state, table[int(r), : int(n)], block_n)
+        for r, n in zip(rows, lens_t)
+    ]
+    assert got.tolist() == want
+    for i, (r, n) in enumerate(zip(rows.tolist(), want)):  # each fast tile's key group
+        state = storage.state[table[r, :n].long()]
+        assert (
+            tile_group[i, : n // block_n].cpu().tolist()
+            == state[::block_n][: n // block_n].tolist()
+        )
+    # Views sealed in order with G = 16 keep their sealed tiles in the fast loop.
+    assert block_n != G or any(0 < w for w in want)

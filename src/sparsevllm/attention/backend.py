@@ -12,7 +12,6 @@ import abc
 import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
@@ -103,8 +102,9 @@ class AttentionBackend(abc.ABC):
     """Stores K/V into slots and computes causal attention over slot views."""
 
     name: str = "abstract"
-    # Whether a decode step through this backend can be captured in a CUDA graph.
-    graph_safe: ClassVar[bool] = True
+    # Whether a decode step through this backend can be captured in a CUDA graph (a
+    # backend may decide per instance, from the storage it serves).
+    graph_safe: bool = True
 
     def __init__(self, storage: list[KVStorage]) -> None:
         self.storage = storage  # per layer

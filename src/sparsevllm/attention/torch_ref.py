@@ -34,10 +34,25 @@ class TorchRefBackend(AttentionBackend):
         window: int | None = None,
     ) -> torch.Tensor:
         group = batch.group_of_layer[layer]
-        storage = self.storage[layer]
-        storage.store(k, v, batch.slot_mapping[group])
+        self.storage[layer].store(k, v, batch.slot_mapping[group])
         if window is None:  # sparse methods leave sliding-window layers alone
             batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
+        return self.attend_stored(layer, q, k, v, batch, scale, window)
+
+    def attend_stored(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]: the new tokens' keys, stored already
+        v: torch.Tensor,  # [T, Hkv, Dv]
+        batch: ForwardBatch,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:  # [T, Hq, Dv]
+        """`forward` after the new tokens are stored and the method has their queries
+        (a kernel backend hands the steps its kernels do not serve over to this)."""
+        group = batch.group_of_layer[layer]
+        storage = self.storage[layer]
         picks = _selection(layer, q, batch) if window is None else None
         if picks is None and _batched_decode(layer, batch, window):
             return attend_decode_batch(q, storage, batch, group, scale, window)

@@ -8,7 +8,8 @@ decoding rows of a batch with prefill chunks); prefill observation scores (once 
 prefill) are computed per KV head through the slot table (`window_attention_mass`).
 Sliding-window layers pass their window to both kernels; sparse methods leave them
 alone (no logical views, no scores). A quantized storage format (kv/scaled.py) hands the
-kernels its per-token scales: they quantize on store and dequantize in registers.
+kernels its per-token scales: they quantize on store and dequantize in registers. KIVI
+layers (kv/kivi.py) go to attention/triton_kivi.py.
 """
 
 from __future__ import annotations
@@ -22,18 +23,25 @@ from sparsevllm.attention.triton import (
     store_kv,
     window_attention_mass,
 )
-from sparsevllm.kv.format import KVFormat
+from sparsevllm.attention.triton_kivi import KiviAttention
+from sparsevllm.kv.format import KVFormat, KVStorage
 from sparsevllm.kv.layout import SlotLayout
 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
 
+    def __init__(self, storage: list[KVStorage]) -> None:
+        super().__init__(storage)
+        self.kivi = KiviAttention(storage)
+        # KIVI's store takes residual rows from a host free list: eager steps.
+        self.graph_safe = not any(s.format.kernels == "kivi" for s in storage)
+
     @classmethod
     def serves(cls, layout: SlotLayout, fmt: KVFormat) -> bool:
-        # The kernels read separate K and V buffers of one head_dim (no MLA kernels yet),
-        # elements with at most a per-token scale (no packed KIVI codes yet).
-        return not layout.shared_kv and fmt.kernels == "elementwise"
+        # The kernels read separate K and V buffers of one head_dim (no MLA kernels yet):
+        # elements with at most a per-token scale, or KIVI's packed codes.
+        return not layout.shared_kv and fmt.kernels in ("elementwise", "kivi")
 
     def forward(
         self,
@@ -47,6 +55,8 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         group = batch.group_of_layer[layer]
         storage = self.storage[layer]
+        if storage.format.kernels == "kivi":
+            return self.kivi.forward(layer, q, k, v, batch, scale, window)
         # Scales (None for the model dtype): the kernels quantize and dequantize with them.
         k_scale, v_scale = storage.k_scale, storage.v_scale
         store_kv(k, v, storage.k, storage.v, batch.slot_mapping[group], k_scale, v_scale)

@@ -84,7 +84,7 @@ def bench(name: str, batch: int, ctx: int, group: int, residual: int, bw: float)
         kivi_decode_attention(
             q, buffers["k"], buffers["v"], buffers["v_params"], buffers["state"],
             storage.key_groups, storage.res_k, storage.res_v, table, rows, lens, scale, out,
-            bits=storage.bits, **kw,
+            bits=storage.bits, block_n=group, **kw,
         )  # fmt: skip
 
     run()
@@ -95,9 +95,11 @@ def bench(name: str, batch: int, ctx: int, group: int, residual: int, bw: float)
         errs.append(rel_err(out[s], ref[0]))
     nbytes = floor_bytes(storage, batch, ctx, built["sealed"])
     floor_ms = nbytes / bw * 1e3
-    configs: list[dict[str, Any]] = [dict(num_splits=None, block_n=bn) for bn in (32, 64)]
-    configs += [dict(num_splits=n, block_n=32) for n in (1, 2, 4, 8, 16)]
-    configs += [dict(num_splits=None, block_n=32, num_stages=3), dict(num_splits=None, num_warps=8)]
+    # Tiles of one key group each (block_n = G) take the kernel's fast loop.
+    configs: list[dict[str, Any]] = [dict(num_splits=None, num_warps=w) for w in (2, 4, 8)]
+    configs += [dict(num_splits=None, num_stages=n) for n in (1, 3, 4)]
+    configs += [dict(num_splits=n) for n in (1, 2, 4, 8)]
+    configs += [dict(num_splits=None, num_stages=4, asm_unpack=False)]
     results = []
     for cfg in configs:
         ms = median_ms(lambda cfg=cfg: run(**cfg))

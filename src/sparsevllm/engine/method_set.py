@@ -309,7 +309,9 @@ class StepMethods:
         """The step's decode views: the method's own, or merged by row (`ids_t` `[S]`:
         each row's method id on the device)."""
         if not self.mixed:
-            return self.only.select_views
+            # A method without decode views reads whole views: no selection to ask for.
+            only = self.only
+            return None if only.decode_views is DecodeViews.NONE else only.select_views
         viewing = [m for m in self.distinct if m.decode_views is not DecodeViews.NONE]
         if not viewing:
             return None

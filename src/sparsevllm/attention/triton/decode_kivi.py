@@ -1,21 +1,26 @@
 """Decode attention over KIVI storage (kv/kivi.py): packed 4- or 2-bit codes dequantized
 in registers, the residual window read in full precision.
 
-The same split-K, GQA-packed scheme as decode.py (one program per sequence x KV head x
-split of the view; decode.py's merge kernel combines the splits). Per tile of BLOCK_N
-view entries the program loads each slot's `state`: a sealed slot's codes are read, a
-residual slot's full-precision row (masked loads: a slot costs the bytes of one).
+The same split-K, GQA-packed scheme as decode.py (one program per KV head x sequence x
+split of the view; decode.py's merge kernel combines the splits). Codes are planar
+(kv/kivi_codes.py): a row of D channels is NPL = 8 / bits planes of P = D * bits / 8
+consecutive channels, plane b in bits b * bits of the row's P bytes. A tile loads its
+rows' P bytes at once (wide, contiguous loads) and works plane by plane: plane b of the
+keys meets the query's channels b*P .. b*P+P-1, plane b of the values makes the output's.
 
-Codes are planar (kv/kivi_codes.py): channel d is byte d % P of the row at bit
-bits * (d // P), so a tile's codes come from contiguous, wide loads of its rows (each
-byte loaded once per plane, from L1) and one shift per element. Nothing is dequantized
-element by element where it can be folded:
+Two loops over a split, each without branches (so Triton pipelines their loads):
 
-* keys of a tile sealed in one key group (the common case: a view is sealed in order,
-  G tokens to a group): `q . (c * s + z) = (q * s) . c + q . z`, the group's
-  per-channel scale folded into the query; other tiles dequantize each key element;
-* values (one scale and zero point per token and head): the scale scales the token's
-  probability before P @ codes, and the zero points add `sum(p * z)` to every channel.
+* the fast loop, over the view's leading tiles whose every entry is sealed in one key
+  group (a view sealed in order, G tokens to a group, with BLOCK_N = G; a first small
+  kernel finds, per sequence, where that run of tiles ends). Keys fold the group's
+  per-channel scale into the query, `q . (c * s + z) = (q * s) . c + q . z`; values
+  fold their per-token scale into the probabilities and their zero points into one
+  per-row sum. Codes enter the dots as `bias + code`, built from bits (bf16 128 + c,
+  fp16 1024 + c) without int-to-float conversion; the bias's excess is subtracted once
+  per row;
+* the general loop, over the rest (residual rows, tiles spanning groups, re-grouped
+  entries): each entry dequantized with its own group's parameters or read in full
+  precision.
 
 CUDA-graph capturable: no host sync, buffers sized from shapes.
 """
@@ -31,13 +36,70 @@ from sparsevllm.attention.triton.decode import merge_splits
 
 
 @triton.jit
-def _biased_codes(packed, shift, BITS: tl.constexpr, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Codes `[BLOCK_N, D]` of packed bytes (planar: `shift` per channel) as DT values
-    plus `_code_bias(DT)`: in bf16 (fp16) the number 128 + code (1024 + code) is built
-    from its bits, the bias's exponent OR the code in the low mantissa bits, with no
-    int-to-float conversion; the dot's excess, bias x the other operand's sum, is
-    subtracted once per row."""
-    c = (packed.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
+def _code_bias(DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    # The smallest power of two whose mantissa unit is 1: bf16 (7 bits) 128, fp16 1024.
+    if DT == tl.bfloat16:
+        return 128.0
+    elif DT == tl.float16:
+        return 1024.0
+    else:
+        return 0.0
+
+
+def _unpack_bf16_asm(shift: int, mask: int) -> tl.constexpr:
+    """PTX turning 4 packed bytes into 4 bf16 `128 + ((byte >> shift) & mask)`: one shift
+    of the word, two byte permutes spreading bytes (0, 1) and (2, 3) over 16-bit lanes,
+    two `(x & mask) | 128` (LOP3): about one instruction per code where Triton's
+    elementwise ops spend four (widen, shift, and, or)."""
+    src = "$2" if shift == 0 else "w"
+    lanes = f"0x{mask:04X}{mask:04X}"
+    return tl.constexpr(
+        "{ .reg .b32 w, lo, hi, z; mov.b32 z, 0; "
+        + ("" if shift == 0 else f"shr.b32 w, $2, {shift}; ")
+        + f"prmt.b32 lo, {src}, z, 0x4140; prmt.b32 hi, {src}, z, 0x4342; "
+        + f"lop3.b32 $0, lo, {lanes}, 0x43004300, 0xEA; "
+        + f"lop3.b32 $1, hi, {lanes}, 0x43004300, 0xEA; }}"
+    )
+
+
+# Plane b of int4 (int2) codes: bits 4 * b (2 * b) of each byte.
+_ASM_INT4_0, _ASM_INT4_1 = _unpack_bf16_asm(0, 15), _unpack_bf16_asm(4, 15)
+_ASM_INT2_0, _ASM_INT2_1 = _unpack_bf16_asm(0, 3), _unpack_bf16_asm(2, 3)
+_ASM_INT2_2, _ASM_INT2_3 = _unpack_bf16_asm(4, 3), _unpack_bf16_asm(6, 3)
+
+
+@triton.jit
+def _asm_plane(packed, asm: tl.constexpr):  # type: ignore[no-untyped-def]
+    return tl.inline_asm_elementwise(
+        asm, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4
+    )
+
+
+@triton.jit
+def _bf16_plane_asm(packed, b: tl.constexpr, BITS: tl.constexpr):  # type: ignore[no-untyped-def]
+    if BITS == 4:
+        if b == 0:
+            return _asm_plane(packed, _ASM_INT4_0)
+        else:
+            return _asm_plane(packed, _ASM_INT4_1)
+    elif b == 0:
+        return _asm_plane(packed, _ASM_INT2_0)
+    elif b == 1:
+        return _asm_plane(packed, _ASM_INT2_1)
+    elif b == 2:
+        return _asm_plane(packed, _ASM_INT2_2)
+    else:
+        return _asm_plane(packed, _ASM_INT2_3)
+
+
+@triton.jit
+def _biased_plane(packed, b: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Plane b of packed rows `[N, P]` as DT values `_code_bias(DT) + code`: in bf16 (fp16)
+    the exponent of 128 (1024) OR the code in the low mantissa bits (bf16 on a GPU: in
+    PTX, `ASM`)."""
+    if ASM:
+        return _bf16_plane_asm(packed, b, BITS)
+    c = (packed.to(tl.int32) >> (b * BITS)) & ((1 << BITS) - 1)
     if DT == tl.bfloat16:
         return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
     elif DT == tl.float16:
@@ -47,14 +109,101 @@ def _biased_codes(packed, shift, BITS: tl.constexpr, DT: tl.constexpr):  # type:
 
 
 @triton.jit
-def _code_bias(DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    # The smallest power of two whose mantissa unit is 1: bf16 (7 bits) 128, fp16 1024.
-    if DT == tl.bfloat16:
-        return 128.0
-    elif DT == tl.float16:
-        return 1024.0
+def _halves(w):  # type: ignore[no-untyped-def]
+    """An int32 holding two float16 (a scale, then a zero point) -> both as float32."""
+    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _sealed_plane_qk(  # type: ignore[no-untyped-def]
+    kb,
+    gpar,
+    q_b,
+    b: tl.constexpr,
+    BITS: tl.constexpr,
+    DT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Plane b's share of a one-group tile's logits `[BLOCK_G, BLOCK_N]`: the dot of the
+    scaled query channels with `bias + code`, less the bias's excess, plus `q . z`
+    (`gpar` `[P]`: the group's parameters of the plane's channels)."""
+    s, z = _halves(gpar)
+    q_s = (q_b * s[None, :]).to(DT)  # [BLOCK_G, P]
+    qk = tl.dot(q_s, tl.trans(_biased_plane(kb, b, BITS, DT, ASM)), input_precision=DOT_PREC)
+    corr = tl.sum(q_s.to(tl.float32) * _code_bias(DT) - q_b * z[None, :], 1)  # [BLOCK_G]
+    return qk - corr[:, None]
+
+
+@triton.jit
+def _any_plane(  # type: ignore[no-untyped-def]
+    cb,
+    st,
+    gp,
+    rp,
+    b: tl.constexpr,
+    v_par,
+    P: tl.constexpr,
+    BITS: tl.constexpr,
+    IS_KEY: tl.constexpr,
+):
+    """Plane b of a tile's keys or values `[BLOCK_N, P]` (float32), each entry
+    dequantized with its own parameters (its key group's, or its own value scale and
+    zero point `v_par`) or read from its residual row `rp` (-1: an empty entry, 0)."""
+    offs = b * P + tl.arange(0, P)
+    sealed = st >= 0
+    c = ((cb.to(tl.int32) >> (b * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    if IS_KEY:
+        w = tl.load(gp[:, None] + offs[None, :], mask=sealed[:, None], other=0)
+        s, z = _halves(w)  # [BLOCK_N, P]
     else:
-        return 0.0
+        s, z = _halves(v_par)  # [BLOCK_N]
+        s, z = s[:, None], z[:, None]
+    res = tl.load(rp[:, None] + offs[None, :], mask=(st <= -2)[:, None], other=0.0)
+    return tl.where(sealed[:, None], c * s + z, res.to(tl.float32))
+
+
+@triton.jit
+def _softmax_step(qk, m_i, l_i):  # type: ignore[no-untyped-def]
+    """Online softmax over one more tile of base-2 logits `[BLOCK_G, BLOCK_N]`: the
+    probabilities, the factor that rescales what was accumulated, the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _kivi_tile_plan_kernel(  # type: ignore[no-untyped-def]
+    state_ptr,
+    table_ptr,
+    rows_ptr,
+    lens_ptr,
+    fast_ptr,
+    tile_group_ptr,
+    stride_tr,
+    stride_tg,
+    BLOCK_N: tl.constexpr,
+):
+    """Program (s, tile): the tile's key group into `tile_group[s, tile]`, and `fast[s]`
+    (the view's length on entry) lowered to the tile's start unless every entry of the
+    tile is sealed in that one group."""
+    s = tl.program_id(0)
+    t = tl.program_id(1)
+    j = t * BLOCK_N
+    view_len = tl.load(lens_ptr + s)
+    if j < view_len:
+        offs = j + tl.arange(0, BLOCK_N)
+        valid = offs < view_len
+        row = tl.load(rows_ptr + s).to(tl.int64)
+        slot = tl.load(table_ptr + row * stride_tr + offs, mask=valid, other=0)
+        st = tl.load(state_ptr + slot, mask=valid, other=0)
+        lo = tl.min(tl.where(valid, st, 2**30), 0)
+        hi = tl.max(tl.where(valid, st, -1), 0)
+        tl.store(tile_group_ptr + s.to(tl.int64) * stride_tg + t, hi)
+        tl.atomic_min(fast_ptr + s, j, mask=(lo != hi) | (lo < 0))
 
 
 @triton.jit
@@ -70,23 +219,25 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     table_ptr,
     rows_ptr,
     lens_ptr,
+    fast_ptr,
+    tile_group_ptr,
     out_ptr,
     ws_m_ptr,
     ws_l_ptr,
     ws_acc_ptr,
     qk_scale,
-    num_groups,
     stride_qs,
     stride_qh,
     stride_cs,  # codes [num_slots, Hkv, P] (K and V alike)
     stride_ch,
-    stride_ps,  # value parameters [num_slots, Hkv, 2]
+    stride_ps,  # value parameters [num_slots, Hkv] int32 (scale, zero as two float16)
     stride_ph,
-    stride_gg,  # key groups [num_groups, Hkv, D, 2]
+    stride_gg,  # key groups [num_groups, Hkv, D] int32 (scale, zero as two float16)
     stride_gh,
     stride_rs,  # residual rows [rows, Hkv, D]
     stride_rh,
     stride_tr,
+    stride_tg,
     stride_os,
     stride_oh,
     HEAD_DIM: tl.constexpr,
@@ -96,138 +247,205 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """Program (KV head, s, split): online softmax over one split of the view."""
+    """Program (KV head, s, split): online softmax over one split of the view, its
+    one-group tiles first (the fast loop), then the rest (module docstring)."""
     kvh = tl.program_id(0)
     s = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(0) * GROUP
-    P: tl.constexpr = HEAD_DIM * BITS // 8  # bytes of one packed row (a plane's channels)
+    P: tl.constexpr = HEAD_DIM * BITS // 8  # channels of a plane, bytes of a packed row
+    NPL: tl.constexpr = 8 // BITS  # planes: 2 (int4) or 4 (int2)
 
     row = tl.load(rows_ptr + s).to(tl.int64)
     view_len = tl.load(lens_ptr + s)
     chunk = tl.cdiv(tl.cdiv(view_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, view_len)
+    fast_end = tl.minimum(tl.maximum(tl.load(fast_ptr + s), start), end)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_p = tl.arange(0, P)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
-    # Channel d's code: byte d % P of the row, bits BITS * (d // P) (planar packing). A
-    # byte is loaded once per plane, from L1: contiguous runs of P keep the loads wide.
-    byte_d = offs_d % P
-    shift = (offs_d // P) * BITS  # [HEAD_DIM]
-    q = tl.load(
-        q_ptr + s.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None],
-        other=0.0,
-    ).to(tl.float32)  # [BLOCK_G, HEAD_DIM]
+    q_at = q_ptr + s.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_p[None, :]
+    q0 = tl.load(q_at, mask=g_mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_G, P]
+    q1 = tl.load(q_at + P, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    if NPL == 4:
+        q2 = tl.load(q_at + 2 * P, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q3 = tl.load(q_at + 3 * P, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    else:
+        q2 = q0
+        q3 = q0
     qd = q_ptr.dtype.element_ty
-    bias = _code_bias(qd)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    zacc = tl.zeros([BLOCK_G], tl.float32)  # sum of p * value zero points
+    zacc = tl.zeros([BLOCK_G], tl.float32)  # sum of p * value zero points (fast loop)
+    acc0 = tl.zeros([BLOCK_G, P], tl.float32)  # output channels 0 .. P-1, and so on
+    acc1 = tl.zeros([BLOCK_G, P], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, P], tl.float32)
+    acc3 = tl.zeros([BLOCK_G, P], tl.float32)
     table_row = table_ptr + row * stride_tr
-    code_head = kvh * stride_ch + byte_d[None, :]
+    k_head = k_codes_ptr + kvh * stride_ch + offs_p[None, :]
+    v_head = v_codes_ptr + kvh * stride_ch + offs_p[None, :]
     par_head = v_par_ptr + kvh * stride_ph
-    group_head = groups_ptr + kvh * stride_gh + offs_d * 2
-    # Each iteration issues the next tile's loads before its own math (the loop's data-
-    # dependent branches keep Triton's pipeliner out): table -> slots -> state, codes and
-    # value parameters, and the next tile's first key group.
-    valid = (start + offs_n) < end
-    slot = tl.load(table_row + start + offs_n, mask=valid, other=0).to(tl.int64)
-    st = tl.load(state_ptr + slot, mask=valid, other=-1)
-    kb = tl.load(k_codes_ptr + slot[:, None] * stride_cs + code_head, mask=valid[:, None], other=0)
-    vb = tl.load(v_codes_ptr + slot[:, None] * stride_cs + code_head, mask=valid[:, None], other=0)
-    v_scale = tl.load(par_head + slot * stride_ps, mask=valid, other=0.0)
-    v_zero = tl.load(par_head + slot * stride_ps + 1, mask=valid, other=0.0)
-    g_lo = tl.min(tl.where(valid & (st >= 0), st, 2**30), 0).to(tl.int64)
-    g_scale = tl.load(group_head + tl.minimum(g_lo, num_groups - 1) * stride_gg)
-    g_zero = tl.load(group_head + tl.minimum(g_lo, num_groups - 1) * stride_gg + 1)
-    for j in range(start, end, BLOCK_N):
-        nxt = j + BLOCK_N + offs_n
-        valid_nx = nxt < end
-        slot_nx = tl.load(table_row + nxt, mask=valid_nx, other=0).to(tl.int64)
-        st_nx = tl.load(state_ptr + slot_nx, mask=valid_nx, other=-1)
-        at_nx = slot_nx[:, None] * stride_cs + code_head
-        kb_nx = tl.load(k_codes_ptr + at_nx, mask=valid_nx[:, None], other=0)
-        vb_nx = tl.load(v_codes_ptr + at_nx, mask=valid_nx[:, None], other=0)
-        v_scale_nx = tl.load(par_head + slot_nx * stride_ps, mask=valid_nx, other=0.0)
-        v_zero_nx = tl.load(par_head + slot_nx * stride_ps + 1, mask=valid_nx, other=0.0)
+    group_head = groups_ptr + kvh * stride_gh
+    # The fast loop issues the next tile's loads before its own math (Triton pipelines
+    # loads that feed dots, not these, which feed the unpacking): codes, value parameters
+    # and group parameters one tile ahead, slot ids and group ids two.
+    tg_row = tile_group_ptr + s.to(tl.int64) * stride_tg
+    first = tl.load(table_row + start + offs_n, mask=start + offs_n < fast_end, other=0)
+    slot_nx = tl.load(
+        table_row + start + BLOCK_N + offs_n, mask=start + BLOCK_N + offs_n < fast_end, other=0
+    )
+    gid_nx = tl.load(tg_row + start // BLOCK_N + 1, mask=start + BLOCK_N < fast_end, other=0)
+    gid = tl.load(tg_row + start // BLOCK_N, mask=start < fast_end, other=0).to(tl.int64)
+    gp0 = group_head + gid * stride_gg + offs_p
+    kb = tl.load(k_head + first.to(tl.int64)[:, None] * stride_cs)  # [BLOCK_N, P] uint8
+    vb = tl.load(v_head + first.to(tl.int64)[:, None] * stride_cs)
+    vw = tl.load(par_head + first.to(tl.int64) * stride_ps)  # [BLOCK_N] value parameters
+    gpar0 = tl.load(gp0)  # [P] the key group's parameters of plane 0, and so on
+    gpar1 = tl.load(gp0 + P)
+    gpar2 = gpar0
+    gpar3 = gpar0
+    if NPL == 4:
+        gpar2 = tl.load(gp0 + 2 * P)
+        gpar3 = tl.load(gp0 + 3 * P)
+    for j in range(start, fast_end, BLOCK_N):
+        valid = (j + offs_n) < end
+        # Next tile: its codes and parameters; the one after: its slot and group ids.
+        nx = j + BLOCK_N
+        at_nx = slot_nx.to(tl.int64)[:, None] * stride_cs
+        kb_nx = tl.load(k_head + at_nx)
+        vb_nx = tl.load(v_head + at_nx)
+        vw_nx = tl.load(par_head + slot_nx.to(tl.int64) * stride_ps)
+        gp_nx = group_head + gid_nx.to(tl.int64) * stride_gg + offs_p
+        gpar0_nx = tl.load(gp_nx)
+        gpar1_nx = tl.load(gp_nx + P)
+        gpar2_nx = gpar0_nx
+        gpar3_nx = gpar0_nx
+        if NPL == 4:
+            gpar2_nx = tl.load(gp_nx + 2 * P)
+            gpar3_nx = tl.load(gp_nx + 3 * P)
+        after = nx + BLOCK_N + offs_n
+        slot_nx = tl.load(table_row + after, mask=after < fast_end, other=0)
+        gid_nx = tl.load(tg_row + nx // BLOCK_N + 1, mask=nx + BLOCK_N < fast_end, other=0)
 
-        sealed = valid & (st >= 0)
-        resid = valid & (st <= -2)
-        gid = tl.maximum(st, 0).to(tl.int64)
-        rrow = tl.maximum(-st - 2, 0).to(tl.int64)
-        n_res = tl.sum(resid.to(tl.int32), 0)
-        g_hi = tl.max(tl.where(sealed, gid, -1), 0)
-        if (n_res == 0) & (g_lo == g_hi):
-            # One key group: q . (c * s + z) = (q * s) . c + q . z
-            q_s = (q * g_scale.to(tl.float32)[None, :]).to(qd)
-            k_biased = _biased_codes(kb, shift, BITS, qd)  # [BLOCK_N, D]: bias + code
-            qk = tl.dot(q_s, tl.trans(k_biased), input_precision=DOT_PREC)
-            excess = bias * tl.sum(q_s.to(tl.float32), 1) - tl.sum(
-                q * g_zero.to(tl.float32)[None, :], 1
-            )
-            qk -= excess[:, None]
-        else:
-            k_int = (kb.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
-            m2 = sealed[:, None]
-            gp = group_head[None, :] + gid[:, None] * stride_gg
-            t_scale = tl.load(gp, mask=m2, other=0.0).to(tl.float32)  # [BLOCK_N, HEAD_DIM]
-            t_zero = tl.load(gp + 1, mask=m2, other=0.0).to(tl.float32)
-            k_res = tl.load(
-                res_k_ptr + rrow[:, None] * stride_rs + kvh * stride_rh + offs_d[None, :],
-                mask=resid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            k = tl.where(m2, k_int.to(tl.float32) * t_scale + t_zero, k_res).to(qd)
-            qk = tl.dot(q.to(qd), tl.trans(k), input_precision=DOT_PREC)
-        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # Values: a sealed token's scale folds into its probability, its zero point into
-        # zacc; a residual token's full-precision row is read as it is.
-        v_s = tl.where(sealed, v_scale.to(tl.float32), 0.0)
-        v_z = tl.where(sealed, v_zero.to(tl.float32), 0.0)
-        v_codes = _biased_codes(vb, shift, BITS, qd)  # [BLOCK_N, D]: bias + code
+        qk = _sealed_plane_qk(kb, gpar0, q0, 0, BITS, qd, DOT_PREC, ASM)  # [BLOCK_G, BLOCK_N]
+        qk += _sealed_plane_qk(kb, gpar1, q1, 1, BITS, qd, DOT_PREC, ASM)
+        if NPL == 4:
+            qk += _sealed_plane_qk(kb, gpar2, q2, 2, BITS, qd, DOT_PREC, ASM)
+            qk += _sealed_plane_qk(kb, gpar3, q3, 3, BITS, qd, DOT_PREC, ASM)
+        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
+        # A value's scale scales its probability, its zero point goes to zacc.
+        v_s, v_z = _halves(vw)  # a padding entry's (slot 0's) parameters are not read
+        v_s = tl.where(valid, v_s, 0.0)
+        v_z = tl.where(valid, v_z, 0.0)
         p_s = (p * v_s[None, :]).to(qd)
-        pv = tl.dot(p_s, v_codes, input_precision=DOT_PREC)
-        pv -= (bias * tl.sum(p_s.to(tl.float32), 1))[:, None]
-        if n_res > 0:
-            v_res = tl.load(
-                res_v_ptr + rrow[:, None] * stride_rs + kvh * stride_rh + offs_d[None, :],
-                mask=resid[:, None],
-                other=0.0,
-            ).to(qd)
-            p_res = tl.where(resid[None, :], p, 0.0).to(qd)
-            pv += tl.dot(p_res, v_res, input_precision=DOT_PREC)
-        acc = acc * alpha[:, None] + pv
-        zacc = zacc * alpha + tl.sum(p * v_z[None, :], 1)
-        m_i = m_new
+        acc0 = acc0 * alpha[:, None] + tl.dot(
+            p_s, _biased_plane(vb, 0, BITS, qd, ASM), input_precision=DOT_PREC
+        )
+        acc1 = acc1 * alpha[:, None] + tl.dot(
+            p_s, _biased_plane(vb, 1, BITS, qd, ASM), input_precision=DOT_PREC
+        )
+        if NPL == 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(
+                p_s, _biased_plane(vb, 2, BITS, qd, ASM), input_precision=DOT_PREC
+            )
+            acc3 = acc3 * alpha[:, None] + tl.dot(
+                p_s, _biased_plane(vb, 3, BITS, qd, ASM), input_precision=DOT_PREC
+            )
+        bias_excess = _code_bias(qd) * tl.sum(p_s.to(tl.float32), 1)
+        zacc = zacc * alpha + tl.sum(p * v_z[None, :], 1) - bias_excess
+        kb, vb, vw = kb_nx, vb_nx, vw_nx
+        gpar0, gpar1, gpar2, gpar3 = gpar0_nx, gpar1_nx, gpar2_nx, gpar3_nx
+    for j in range(fast_end, end, BLOCK_N):
+        valid = (j + offs_n) < end
+        slot = tl.load(table_row + j + offs_n, mask=valid, other=0).to(tl.int64)
+        st = tl.load(state_ptr + slot, mask=valid, other=-1)  # [BLOCK_N]
+        gp = group_head + tl.maximum(st, 0).to(tl.int64) * stride_gg  # [BLOCK_N]
+        rrow = tl.maximum(-st - 2, 0).to(tl.int64) * stride_rs + kvh * stride_rh
+        kb = tl.load(k_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
+        rk = res_k_ptr + rrow
+        k0 = _any_plane(kb, st, gp, rk, 0, 0, P, BITS, True).to(qd)  # [BLOCK_N, P]
+        qk = tl.dot(q0.to(qd), tl.trans(k0), input_precision=DOT_PREC)
+        k1 = _any_plane(kb, st, gp, rk, 1, 0, P, BITS, True).to(qd)
+        qk += tl.dot(q1.to(qd), tl.trans(k1), input_precision=DOT_PREC)
+        if NPL == 4:
+            k2 = _any_plane(kb, st, gp, rk, 2, 0, P, BITS, True).to(qd)
+            qk += tl.dot(q2.to(qd), tl.trans(k2), input_precision=DOT_PREC)
+            k3 = _any_plane(kb, st, gp, rk, 3, 0, P, BITS, True).to(qd)
+            qk += tl.dot(q3.to(qd), tl.trans(k3), input_precision=DOT_PREC)
+        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
+        vw = tl.load(par_head + slot * stride_ps, mask=valid, other=0)
+        vb = tl.load(v_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
+        rv = res_v_ptr + rrow
+        pq = p.to(qd)
+        v0 = _any_plane(vb, st, gp, rv, 0, vw, P, BITS, False).to(qd)
+        acc0 = acc0 * alpha[:, None] + tl.dot(pq, v0, input_precision=DOT_PREC)
+        v1 = _any_plane(vb, st, gp, rv, 1, vw, P, BITS, False).to(qd)
+        acc1 = acc1 * alpha[:, None] + tl.dot(pq, v1, input_precision=DOT_PREC)
+        if NPL == 4:
+            v2 = _any_plane(vb, st, gp, rv, 2, vw, P, BITS, False).to(qd)
+            acc2 = acc2 * alpha[:, None] + tl.dot(pq, v2, input_precision=DOT_PREC)
+            v3 = _any_plane(vb, st, gp, rv, 3, vw, P, BITS, False).to(qd)
+            acc3 = acc3 * alpha[:, None] + tl.dot(pq, v3, input_precision=DOT_PREC)
+        zacc = zacc * alpha
 
-        valid, slot, st, kb, vb = valid_nx, slot_nx, st_nx, kb_nx, vb_nx
-        v_scale, v_zero = v_scale_nx, v_zero_nx
-        g_lo = tl.min(tl.where(valid & (st >= 0), st, 2**30), 0).to(tl.int64)
-        g_scale = tl.load(group_head + tl.minimum(g_lo, num_groups - 1) * stride_gg)
-        g_zero = tl.load(group_head + tl.minimum(g_lo, num_groups - 1) * stride_gg + 1)
-
-    acc += zacc[:, None]
     if NUM_SPLITS == 1:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o_ptr = out_ptr + s.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptr, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        l_safe = tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty view's output is 0
+        o_at = out_ptr + s.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_p[None, :]
+        ot = out_ptr.dtype.element_ty
+        tl.store(o_at, ((acc0 + zacc[:, None]) / l_safe).to(ot), mask=g_mask[:, None])
+        tl.store(o_at + P, ((acc1 + zacc[:, None]) / l_safe).to(ot), mask=g_mask[:, None])
+        if NPL == 4:
+            tl.store(o_at + 2 * P, ((acc2 + zacc[:, None]) / l_safe).to(ot), mask=g_mask[:, None])
+            tl.store(o_at + 3 * P, ((acc3 + zacc[:, None]) / l_safe).to(ot), mask=g_mask[:, None])
     else:
         base = ((s * num_q_heads + heads) * NUM_SPLITS + split).to(tl.int64)
         tl.store(ws_m_ptr + base, m_i, mask=g_mask)
         tl.store(ws_l_ptr + base, l_i, mask=g_mask)
-        tl.store(ws_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+        w_at = ws_acc_ptr + base[:, None] * HEAD_DIM + offs_p[None, :]
+        tl.store(w_at, acc0 + zacc[:, None], mask=g_mask[:, None])
+        tl.store(w_at + P, acc1 + zacc[:, None], mask=g_mask[:, None])
+        if NPL == 4:
+            tl.store(w_at + 2 * P, acc2 + zacc[:, None], mask=g_mask[:, None])
+            tl.store(w_at + 3 * P, acc3 + zacc[:, None], mask=g_mask[:, None])
+
+
+def _as_pairs(name: str, t: torch.Tensor) -> torch.Tensor:
+    """float16 `[..., 2]` (scale, zero point) -> int32 `[...]`: one load per pair."""
+    if t.dtype != torch.float16 or t.shape[-1] != 2 or t.stride(-1) != 1 or t.stride(-2) != 2:
+        raise ValueError(
+            f"{name} must be float16 [..., 2] with packed pairs, got {t.dtype} {t.shape}"
+        )
+    return t.view(torch.int32).squeeze(-1)
+
+
+def kivi_tile_plan(
+    state: torch.Tensor,  # [num_slots] int32 (kv/kivi.py)
+    table: torch.Tensor,  # [num_rows, max_len] int32 slot ids
+    rows: torch.Tensor,  # [S] int32
+    view_lens: torch.Tensor,  # [S] int32
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the view's leading entries whose tiles of `block_n` are each sealed
+    in one key group (`[S]` int32, a multiple of `block_n` or the whole view), and each
+    tile's group (`[S, tiles]` int32, meaningful for those tiles)."""
+    fast = view_lens.to(torch.int32).clone()
+    tiles = triton.cdiv(table.shape[1], block_n)
+    tile_group = torch.empty((fast.numel(), tiles), dtype=torch.int32, device=fast.device)
+    if fast.numel():
+        _kivi_tile_plan_kernel[(fast.numel(), tiles)](
+            state, table, rows, view_lens, fast, tile_group, table.stride(0),
+            tile_group.stride(0), BLOCK_N=block_n, num_warps=1,
+        )  # fmt: skip
+    return fast, tile_group
 
 
 def kivi_decode_attention(
@@ -250,22 +468,29 @@ def kivi_decode_attention(
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
+    asm_unpack: bool = True,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole view in KIVI storage;
-    writes and returns `out` (equal to the torch reference over `KiviStorage.read`)."""
+    writes and returns `out` (equal to the torch reference over `KiviStorage.read`).
+    `block_n` should be the key group size G: the fast loop takes tiles of one group."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_codes.shape[1]
-    if k_codes.shape[2] * 8 // bits != head_dim:
+    if bits not in (2, 4) or k_codes.shape[2] * 8 // bits != head_dim:
         raise ValueError(f"codes {tuple(k_codes.shape)} do not hold {bits}-bit rows of {head_dim}")
-    if head_dim != next_pow2(head_dim) or head_dim < 16:
+    if head_dim != next_pow2(head_dim) or head_dim * bits // 8 < 16:
         raise ValueError(
-            f"the KIVI decode kernel needs a power-of-two head_dim >= 16, got {head_dim}"
+            f"the KIVI decode kernel needs a power-of-two head_dim with planes of >= 16 "
+            f"channels, got head_dim {head_dim} at {bits} bits"
         )
+    if block_n != next_pow2(block_n) or block_n < 16:
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     for name, t in (("q", q), ("k_codes", k_codes), ("v_codes", v_codes), ("res_k", res_k)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit-stride last dimension")
     if num_seqs == 0:
         return out
+    groups, v_pairs = _as_pairs("key_groups", key_groups), _as_pairs("v_params", v_params)
+    fast, tile_group = kivi_tile_plan(state, table, rows, view_lens, block_n)
     if num_splits is None:
         num_splits = auto_num_splits(num_seqs, num_kv_heads, table.shape[1], q.device)
     ws_m = ws_l = ws_acc = None
@@ -277,16 +502,15 @@ def kivi_decode_attention(
         ws_acc = torch.empty((*ws_m.shape, head_dim), dtype=torch.float32, device=q.device)
     group = num_q_heads // num_kv_heads
     _kivi_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, k_codes, v_codes, v_params, state, key_groups, res_k, res_v,
-        table, rows, view_lens, out, ws_m, ws_l, ws_acc,
+        q, k_codes, v_codes, v_pairs, state, groups, res_k, res_v,
+        table, rows, view_lens, fast, tile_group, out, ws_m, ws_l, ws_acc,
         float(scale) * LOG2E,
-        key_groups.shape[0],
         q.stride(0), q.stride(1),
         k_codes.stride(0), k_codes.stride(1),
-        v_params.stride(0), v_params.stride(1),
-        key_groups.stride(0), key_groups.stride(1),
+        v_pairs.stride(0), v_pairs.stride(1),
+        groups.stride(0), groups.stride(1),
         res_k.stride(0), res_k.stride(1),
-        table.stride(0),
+        table.stride(0), tile_group.stride(0),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim,
         BITS=bits,
@@ -295,6 +519,7 @@ def kivi_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype),
+        ASM=asm_unpack and q.dtype == torch.bfloat16 and q.is_cuda,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

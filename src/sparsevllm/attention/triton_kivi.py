@@ -1,0 +1,86 @@
+"""KIVI storage (kv/kivi.py) inside the Triton backend.
+
+A decode step over whole views, the common step of a long generation and the one whose
+cost grows with the context, runs the KIVI decode kernel (attention/triton/
+decode_kivi.py), which reads the packed codes and the residual rows where they lie. The
+other steps (prefill chunks, a method's selected views, the probabilities a method asks
+for) go through the torch reference over dequantized reads, on the same device. Storing
+is the storage's own (a residual row per new token, from a host free list), so a step
+with KIVI layers is not captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsevllm.attention.backend import ForwardBatch
+from sparsevllm.attention.torch_ref import TorchRefBackend
+from sparsevllm.attention.triton._common import next_pow2
+from sparsevllm.attention.triton.decode_kivi import kivi_decode_attention
+from sparsevllm.kv.format import KVStorage
+from sparsevllm.kv.kivi import KiviStorage
+
+
+def kernel_reads(storage: KiviStorage) -> bool:
+    """Whether the decode kernel reads this storage: a power-of-two head_dim whose
+    planes (head_dim * bits / 8 channels) fill a tensor-core operand."""
+    d = storage.head_dim
+    return d == next_pow2(d) and d * storage.bits // 8 >= 16
+
+
+class KiviAttention:
+    """The KIVI layers' attention: the decode kernel, else the reference."""
+
+    def __init__(self, storage: list[KVStorage]) -> None:
+        self.reference = TorchRefBackend(storage)
+        self.storage = storage
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        batch: ForwardBatch,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        storage = self.storage[layer]
+        assert isinstance(storage, KiviStorage)
+        group = batch.group_of_layer[layer]
+        storage.store(k, v, batch.slot_mapping[group])
+        if window is None:  # sparse methods leave sliding-window layers alone
+            batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
+        if not self._kernel_serves(layer, storage, batch, window):
+            return self.reference.attend_stored(layer, q, k, v, batch, scale, window)
+        out = torch.empty_like(q)
+        kivi_decode_attention(
+            q,
+            storage.k,
+            storage.v,
+            storage.v_params,
+            storage.state,
+            storage.key_groups,
+            storage.res_k,
+            storage.res_v,
+            batch.tables[group],
+            batch.rows_t,
+            batch.view_lens_t[group],
+            scale,
+            out,
+            bits=storage.bits,
+            # Tiles of one key group each take the kernel's fast loop.
+            block_n=max(16, next_pow2(storage.kivi.group_size)),
+        )
+        return out
+
+    @staticmethod
+    def _kernel_serves(
+        layer: int, storage: KiviStorage, batch: ForwardBatch, window: int | None
+    ) -> bool:
+        """A decode step over whole views: no window, no selection, no scores asked."""
+        if window is not None or not batch.decode_only or not kernel_reads(storage):
+            return False
+        if batch.sparse.select_views is not None:
+            return False
+        return not any(batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs))
