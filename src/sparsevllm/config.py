@@ -55,8 +55,8 @@ FIELD_HELP: dict[str, str] = {
     "element per channel plus a float32 scale per token and KV head: about half of bf16's "
     "bytes), int4 or int2 (KIVI: keys per channel over groups of kv_quant_group_size "
     "tokens, values per token, the newest kv_quant_residual tokens in full precision; "
-    "served by the torch reference backend, on CUDA too, until Triton kernels read them). Sliding-window layers keep the model dtype. See "
-    "docs/architecture.md.",
+    "on CUDA a Triton kernel decodes from the packed codes, without CUDA graphs). "
+    "Sliding-window layers keep the model dtype. See docs/architecture.md.",
     "kv_quant_group_size": "int4/int2: tokens whose keys share per-channel scales and zero "
     "points (KIVI's G; also the channels sharing a value's scale).",
     "kv_quant_residual": "int4/int2: newest tokens of a sequence kept in full precision "

@@ -1,6 +1,7 @@
-"""KIVI storage (int4 / int2) on CUDA: the runner serves it through the torch reference
-backend, sealing and compaction run on the device, and greedy tokens equal the CPU
-engine's; the Triton KIVI decode kernel equals the reference there too."""
+"""KIVI storage (int4 / int2) on CUDA: the Triton backend serves it (the KIVI decode
+kernel, the reference for the other steps, eager), sealing and compaction run on the
+device, and greedy tokens equal the CPU engine's; the Triton KIVI decode kernel equals
+the reference there too."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_kivi_on_cuda_matches_the_cpu_reference(model, method, fmt):
     # float32 on both devices; the codes may round differently where a value sits on a
     # rounding boundary, so allow a late divergence in one prompt.
     assert agree >= sum(len(o.token_ids) for o in cpu) - GREEDY.max_tokens // 2
-    assert llm.engine.runner.backend.name == "torch"
+    assert llm.engine.runner.backend.name == "triton"
+    assert llm.engine.runner.graphs is None  # KIVI's store is eager
     storage = llm.engine.runner.kv_storage[0]
     assert storage.num_residual_free == storage.kivi.residual_rows  # all sealed or freed
