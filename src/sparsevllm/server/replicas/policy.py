@@ -200,10 +200,17 @@ class RoutingPolicy:
 
     # -- bookkeeping ---------------------------------------------------------------------
     def routed(self, hint: RouteHint, replica_id: str, request_key: str) -> None:
-        """A call went to `replica_id`: count it, hold its load, learn its keys."""
+        """A call went to `replica_id`: count it, hold its load, learn its keys (again
+        for the same call: moved there, counted once)."""
         with self._lock:
             hint.chosen = replica_id
-            self.counts[hint.decision or "miss"] += 1
+            before = self._requests.get(request_key)
+            if before == replica_id:
+                return  # the router may report a routing twice
+            if before is None:
+                self.counts[hint.decision or "miss"] += 1
+            else:  # routed again (the first choice turned it away)
+                self._in_flight[before] = max(0, self._in_flight.get(before, 1) - 1)
             self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
             self._routed[replica_id] = self._routed.get(replica_id, 0) + 1
             self._requests[request_key] = replica_id
