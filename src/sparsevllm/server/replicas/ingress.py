@@ -29,8 +29,13 @@ from sparsevllm.server.replicas.keys import (
     reply_text,
 )
 from sparsevllm.server.replicas.options import ReplicaOptions
-from sparsevllm.server.replicas.policy import OUTCOMES, RoutingPolicy, shared_policy
-from sparsevllm.server.replicas.relay import ReplicaClient, unavailable
+from sparsevllm.server.replicas.policy import ANY_REPLICA, OUTCOMES, RoutingPolicy, shared_policy
+from sparsevllm.server.replicas.relay import (
+    REPLICA_FAILURES,
+    ReplicaClient,
+    fresh_call_id,
+    unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,10 @@ def make_ingress_app(handle: Any, options: ReplicaOptions) -> FastAPI:
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
-        return Response(await gather_metrics(handle, policy), media_type=CONTENT_TYPE)
+        try:
+            return Response(await gather_metrics(handle, policy), media_type=CONTENT_TYPE)
+        except APIError as e:
+            return e.response()
 
     @app.api_route("/{path:path}", methods=_METHODS, response_model=None)
     async def forward(request: Request, path: str) -> Response:
@@ -120,20 +128,18 @@ async def gather_metrics(handle: Any, policy: RoutingPolicy) -> str:
     """Every replica's metrics labelled by replica, then the router's counters."""
     replica_ids = policy.replicas()
     if not replica_ids:  # the router learns the replicas on its first call
-        await asyncio.wait_for(handle.metrics.remote(RouteHint()), _METRICS_TIMEOUT_S)
+        fresh_call_id()
+        call = handle.metrics.remote(RouteHint(target=ANY_REPLICA))
+        await asyncio.wait_for(call, _METRICS_TIMEOUT_S)
         replica_ids = policy.replicas()
-    calls = [
-        asyncio.wait_for(handle.metrics.remote(RouteHint(target=r)), _METRICS_TIMEOUT_S)
-        for r in replica_ids
-    ]
     texts: list[tuple[str, str]] = []
-    for replica_id, result in zip(
-        replica_ids, await asyncio.gather(*calls, return_exceptions=True)
-    ):
-        if isinstance(result, BaseException):
-            logger.warning("no metrics from replica %s: %r", replica_id, result)
-        else:
-            texts.append(result)
+    for replica_id in replica_ids:
+        fresh_call_id()
+        call = handle.metrics.remote(RouteHint(target=replica_id))
+        try:
+            texts.append(await asyncio.wait_for(call, _METRICS_TIMEOUT_S))
+        except (asyncio.TimeoutError, *REPLICA_FAILURES) as e:
+            logger.warning("no metrics from replica %s: %r", replica_id, e)
     if not texts and replica_ids:
         raise unavailable("no replica answered for its metrics")
     return merge_expositions(texts) + router_metrics(policy)

@@ -34,6 +34,8 @@ V = TypeVar("V")
 # Outcomes counted per routed request (the router's hit/miss counters).
 OUTCOMES = ("hit", "miss", "overloaded", "random", "target", "lost")
 RESPONSE_ID_PREFIX = "resp_"
+# A RouteHint target meaning "any replica" (a call about the replicas, not a request).
+ANY_REPLICA = "*"
 
 
 class LRU(Generic[K, V]):
@@ -145,6 +147,8 @@ class RoutingPolicy:
             live = [c for c in candidates if c not in hint.exclude and self._dead.get(c) is None]
             if hint.target is not None:
                 hint.decision = "target"
+                if hint.target == ANY_REPLICA:
+                    return list(candidates)
                 return [hint.target] if hint.target in candidates else []
             if not live:
                 live = [c for c in candidates if c not in hint.exclude] or list(candidates)

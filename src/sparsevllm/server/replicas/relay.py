@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,20 @@ REPLICA_FAILURES: tuple[type[BaseException], ...] = (
     DeploymentUnavailableError,
 )
 DEFAULT_ATTEMPTS = 3
+
+
+def fresh_call_id() -> None:
+    """Give the next handle call of this task its own Serve internal request id.
+
+    Serve stamps every handle call made while serving an HTTP request with that
+    request's internal id, and its router matches a routed replica to the pending call
+    by that id: two calls of one request (retries, per-replica metrics) would be
+    confused, one of them never routed. A fresh id per call keeps them apart (and is
+    the key under which the policy holds the call's load).
+    """
+    from ray.serve.context import _set_request_context  # no public way to do this
+
+    _set_request_context(_internal_request_id=uuid.uuid4().hex)
 
 
 def chain_lost(param: str, key: str) -> APIError:
@@ -111,6 +126,7 @@ class ReplicaClient:
         for attempt in range(self.attempts):
             self.check_lost(hint)
             hint.chosen, hint.meta = None, {}
+            fresh_call_id()
             stream = self.handle.options(stream=True).relay.remote(hint, request)
             try:
                 head = await stream.__anext__()
