@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -207,3 +209,46 @@ def test_the_server_shuts_down_cleanly(cluster):
     assert not ray.is_initialized()
     with pytest.raises(httpx.TransportError):
         httpx.get(cluster.url + "/health", timeout=5)
+
+
+def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    return subprocess.run(
+        [sys.executable, "-m", "sparsevllm.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_serve_help_documents_the_replica_flags():
+    out = _serve("--help")
+    assert out.returncode == 0, out.stderr
+    for flag in ("--replicas", "--ray-address", "--route-max-imbalance", "--replica-cpus"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--replicas", "0"], "--replicas must be >= 1"),
+        (["--replicas", "2", "--replica-cpus", "0"], "--replica-cpus must be > 0"),
+        (["--replicas", "2", "--route-max-imbalance", "-1"], "--route-max-imbalance must be >= 0"),
+        (["--replicas", "2", "--ray-address", "nonsense"], "is not HOST:PORT"),
+    ],
+)
+def test_bad_replica_flags_are_usage_errors(tiny_path, args, message):
+    out = _serve("--model", tiny_path, *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_an_unreachable_ray_address_fails_fast(tiny_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    out = _serve("--model", tiny_path, "--replicas", "2", "--ray-address", f"127.0.0.1:{port}")
+    assert out.returncode == 2, out.stderr
+    assert f"cannot reach the Ray cluster at --ray-address 127.0.0.1:{port}" in out.stderr
+    assert time.monotonic() - start < 30

@@ -217,3 +217,24 @@ def test_shared_policy_is_one_per_name_and_options_are_checked():
         ReplicaOptions(engine=None, server=ServerOptions("m"), replicas=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--replica-cpus"):
         ReplicaOptions(engine=None, server=ServerOptions("m"), replica_cpus=0)  # type: ignore[arg-type]
+
+
+def test_the_resource_check_names_what_is_needed_and_what_there_is():
+    from sparsevllm.server.replicas.launcher import (
+        ReplicaSetupError,
+        check_resources,
+        probe_address,
+        replica_gpus,
+    )
+
+    options = ReplicaOptions(engine=None, server=ServerOptions("m"), replicas=3, replica_gpus=1)  # type: ignore[arg-type]
+    check_resources(options, {"CPU": 3.0, "GPU": 3.0})
+    with pytest.raises(
+        ReplicaSetupError, match=r"needs 3 CPUs and 3 GPUs .* has 8 CPUs and 2 GPUs"
+    ):
+        check_resources(options, {"CPU": 8.0, "GPU": 2.0})
+    assert replica_gpus("cpu", 8) == 0 and replica_gpus("auto", 0) == 0
+    assert replica_gpus("auto", 1) == 1 and replica_gpus("cuda", 0) == 1
+    with pytest.raises(ReplicaSetupError, match="is not HOST:PORT"):
+        probe_address("no-port")
+    probe_address("auto")  # Ray finds the local cluster itself
