@@ -287,13 +287,13 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
 def _add_bench(sub: argparse._SubParsersAction, with_kinds: bool) -> None:
     p = sub.add_parser(
         "bench",
-        help="Benchmarks: throughput, multiturn, quality, fidelity, moe.",
+        help="Benchmarks: throughput, multiturn, quality, fidelity, moe, replicas.",
         description="Benchmarks that write JSON reports (see docs/benchmarks/).",
     )
     kinds = p.add_subparsers(dest="bench", required=True)
     if not with_kinds:
         return
-    from sparsevllm.bench import fidelity_cli, moe, multiturn, throughput
+    from sparsevllm.bench import fidelity_cli, moe, multiturn, replicas, throughput
     from sparsevllm.bench.quality import cli as quality
 
     throughput.add_parser(kinds, add_engine_args)
@@ -301,6 +301,7 @@ def _add_bench(sub: argparse._SubParsersAction, with_kinds: bool) -> None:
     quality.add_parser(kinds)
     fidelity_cli.add_parser(kinds)
     moe.add_parser(kinds)
+    replicas.add_parser(kinds)
 
 
 def main(argv: list[str] | None = None) -> int:
