@@ -138,7 +138,9 @@ async def gather_metrics(handle: Any, policy: RoutingPolicy) -> str:
         call = handle.metrics.remote(RouteHint(target=replica_id))
         try:
             texts.append(await asyncio.wait_for(call, _METRICS_TIMEOUT_S))
-        except (asyncio.TimeoutError, *REPLICA_FAILURES) as e:
+        except asyncio.TimeoutError:
+            logger.warning("no metrics from replica %s within %g s", replica_id, _METRICS_TIMEOUT_S)
+        except REPLICA_FAILURES as e:
             logger.warning("no metrics from replica %s: %r", replica_id, e)
     if not texts and replica_ids:
         raise unavailable("no replica answered for its metrics")

@@ -78,7 +78,8 @@ def connect(address: str | None, num_cpus: float | None = None) -> dict[str, flo
         probe_address(address)
     try:
         if address is None:
-            ray.init(num_cpus=None if num_cpus is None else int(num_cpus), log_to_driver=False)
+            cpus = None if num_cpus is None else int(num_cpus)
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         else:
             ray.init(address=address, log_to_driver=False)
     except ConnectionError as e:
