@@ -119,8 +119,11 @@ def _conversation(
     return turns
 
 
-def run_mode(mode: str, args: argparse.Namespace, resources: dict[str, float]) -> dict[str, Any]:
-    """Deploy the replicas with `mode` routing, run every conversation, undeploy."""
+def run_mode(
+    mode: str, args: argparse.Namespace, resources: dict[str, float], port: int
+) -> dict[str, Any]:
+    """Deploy the replicas with `mode` routing on `port` (Serve's HTTP port is set once
+    per Ray instance), run every conversation, undeploy."""
     from ray import serve
 
     from sparsevllm.config import EngineConfig
@@ -133,9 +136,6 @@ def run_mode(mode: str, args: argparse.Namespace, resources: dict[str, float]) -
          "cpu_threads": max(1, int(args.replica_cpus))}
     )  # fmt: skip
     name = default_served_model_name(config)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     options = ReplicaOptions(
         engine=config,
         server=ServerOptions(name, port=port),
@@ -212,8 +212,11 @@ def run_cli(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     resources = connect(None, num_cpus=max(1.0, args.replicas * args.replica_cpus))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     try:
-        results = [run_mode(mode, args, resources) for mode in args.modes]
+        results = [run_mode(mode, args, resources, port) for mode in args.modes]
     finally:
         shutdown()
     config = {k: v for k, v in vars(args).items() if k != "func"}
