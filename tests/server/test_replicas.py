@@ -30,6 +30,9 @@ from sparsevllm.server.replicas.options import ReplicaOptions, ServerOptions  # 
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 REPLICA_HEADER = "x-sparsevllm-replica"
+# The tests on the 2-replica cluster: starting it (Ray, two engines) takes 40-60 s on a
+# 2-core machine; all of them together, about 90 s.
+CLUSTER = pytest.mark.slow
 
 
 @dataclass
@@ -111,6 +114,7 @@ def _conversation(cluster: Cluster, index: int) -> tuple[str, str, int]:
     return one, two, reply.usage.prompt_tokens_details.cached_tokens
 
 
+@CLUSTER
 def test_turn_two_lands_on_turn_ones_replica_with_cached_tokens(cluster):
     with ThreadPoolExecutor(4) as pool:
         turns = list(pool.map(lambda i: _conversation(cluster, i), range(20)))
@@ -122,6 +126,7 @@ def test_turn_two_lands_on_turn_ones_replica_with_cached_tokens(cluster):
     assert metrics['sparsevllm:router_requests_total{outcome="hit"}'] >= 19
 
 
+@CLUSTER
 def test_independent_requests_spread_over_the_replicas(cluster):
     client = cluster.client()
 
@@ -134,6 +139,7 @@ def test_independent_requests_spread_over_the_replicas(cluster):
     assert len(counts) == 2 and max(counts.values()) <= 26, counts  # no replica above 65%
 
 
+@CLUSTER
 def test_metrics_are_one_view_labelled_by_replica(cluster):
     text = httpx.get(cluster.url + "/metrics", timeout=30).text
     replicas = {
@@ -148,6 +154,7 @@ def test_metrics_are_one_view_labelled_by_replica(cluster):
     assert cluster.metrics()["sparsevllm:router_replicas"] == 2
 
 
+@CLUSTER
 def test_too_many_replicas_fail_naming_the_resources(cluster):
     import dataclasses
 
@@ -161,6 +168,7 @@ def _kill(cluster: Cluster, replica: str) -> None:
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
 
+@CLUSTER
 def test_a_dead_replica_loses_no_unstreamed_request_and_reports_its_chains(cluster):
     client = cluster.client()
     doomed, _ = _chat(
@@ -203,6 +211,7 @@ def test_a_dead_replica_loses_no_unstreamed_request_and_reports_its_chains(clust
         time.sleep(1.0)
 
 
+@CLUSTER
 def test_the_server_shuts_down_cleanly(cluster):
     launcher.shutdown()
     cluster.stopped = True
