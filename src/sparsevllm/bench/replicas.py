@@ -124,11 +124,9 @@ def run_mode(
 ) -> dict[str, Any]:
     """Deploy the replicas with `mode` routing on `port` (Serve's HTTP port is set once
     per Ray instance), run every conversation, undeploy."""
-    from ray import serve
-
     from sparsevllm.config import EngineConfig
     from sparsevllm.server.launcher import default_served_model_name
-    from sparsevllm.server.replicas.launcher import deploy
+    from sparsevllm.server.replicas.launcher import deploy, undeploy
     from sparsevllm.server.replicas.options import ReplicaOptions, RouteOptions, ServerOptions
 
     config = EngineConfig.from_dict(
@@ -152,7 +150,7 @@ def run_mode(
         ]
         convs = [f.result() for f in tqdm(futures, desc=f"{mode} conversations")]
     elapsed = time.perf_counter() - start
-    serve.delete(options.app_name)
+    undeploy(options)
     return summarize(mode, convs, elapsed)
 
 

@@ -106,6 +106,13 @@ def deploy(options: ReplicaOptions, resources: dict[str, float]) -> ReplicaOptio
     return options
 
 
+def undeploy(options: ReplicaOptions) -> None:
+    """Delete the Serve application (Ray and Serve keep running: deploy again at will)."""
+    from ray import serve
+
+    serve.delete(options.app_name)
+
+
 def shutdown() -> None:
     """Stop the Serve application and the Ray connection (a local Ray stops with it)."""
     import ray
