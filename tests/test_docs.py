@@ -94,3 +94,22 @@ def test_quality_doc_describes_the_query_agnostic_mode_and_its_command():
     assert args.modes == list(MODES) and args.samples == 20 and args.lengths == [4096]
     assert args.tasks == ["niah_single", "niah_multikey"] and args.ratios == [0.5, 0.75, 0.9]
     assert args.methods is None  # every method
+
+
+def test_deployment_doc_covers_every_replica_flag_and_its_commands_parse():
+    from sparsevllm.cli import build_parser
+
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    for flag in ("--replicas", "--ray-address", "--replica-cpus", "--route-max-imbalance"):
+        assert f"`{flag}" in doc, flag
+    for heading in ("## One machine", "## A Ray cluster", "## Kubernetes through KubeRay"):
+        assert heading in doc, heading
+    assert "not tested" in doc and "chain_lost" in doc and "410" in doc
+    commands = [ln.strip() for ln in doc.splitlines() if ln.strip().startswith("sparsevllm serve")]
+    assert commands
+    for command in commands:
+        args = build_parser(with_bench=False).parse_args(command.split()[1:])
+        assert args.replicas > 1
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/deployment.md" in readme and "--replicas" in readme
+    assert "../shared" not in doc

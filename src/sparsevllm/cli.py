@@ -147,8 +147,47 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         choices=defaults.LOG_LEVELS,
         help="Log level of uvicorn (access log included) and of the server (default: info).",
     )
+    _add_replica_flags(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _add_replica_flags(p: argparse.ArgumentParser) -> None:
+    from sparsevllm.server.replicas.options import (
+        DEFAULT_MAX_IMBALANCE,
+        DEFAULT_REPLICA_CPUS,
+    )
+
+    rep = p.add_argument_group("replicas (Ray Serve; see docs/deployment.md)")
+    rep.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="Engine replicas behind one router on Ray Serve (pip install 'sparsevllm[replicas]'); "
+        "requests of a conversation (chain_id, previous_response_id, a held prompt prefix) go "
+        "to the replica that holds its state (default: 1, the single server, without Ray).",
+    )
+    rep.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to join (HOST:PORT of `ray start --head`, ray://HOST:PORT or auto); "
+        "an unreachable address fails within seconds (default: start a local Ray instance).",
+    )
+    rep.add_argument(
+        "--route-max-imbalance",
+        type=int,
+        default=DEFAULT_MAX_IMBALANCE,
+        help="Requests in flight a replica holding a request's chain or prefix may have above "
+        "the least loaded replica and still get it; beyond it the request goes to the least "
+        f"loaded one (default: {DEFAULT_MAX_IMBALANCE}).",
+    )
+    rep.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=DEFAULT_REPLICA_CPUS,
+        help="Ray CPUs each replica reserves (a CUDA replica also takes 1 GPU); --replicas "
+        f"beyond the cluster's CPUs or GPUs is refused (default: {DEFAULT_REPLICA_CPUS:g}).",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -165,6 +204,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--shutdown-grace-s must be >= 0, got {args.shutdown_grace_s}")
     if args.max_stored_responses < 0:
         raise UsageError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
+    if args.replicas < 1:
+        raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 or args.ray_address is not None:
+        return _run_replicated(args)
     config = engine_config_from_args(args)
     from sparsevllm.server.launcher import run_server
 
@@ -181,6 +224,39 @@ def run_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
     )
+
+
+def _run_replicated(args: argparse.Namespace) -> int:
+    """`serve --replicas N` (or with --ray-address): engine replicas on Ray Serve."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError(
+            "--replicas and --ray-address need Ray Serve: pip install 'sparsevllm[replicas]'"
+        )
+    config = engine_config_from_args(args)
+    from sparsevllm.server.launcher import default_served_model_name
+    from sparsevllm.server.replicas.launcher import run_replicated_server
+    from sparsevllm.server.replicas.options import ReplicaOptions, RouteOptions, ServerOptions
+
+    server = ServerOptions(
+        served_model_name=args.served_model_name or default_served_model_name(config),
+        api_key=args.api_key,
+        max_queue_len=args.max_queue_len,
+        max_stored_responses=args.max_stored_responses,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        host=args.host,
+        port=args.port,
+    )
+    options = ReplicaOptions(
+        engine=config,
+        server=server,
+        replicas=args.replicas,
+        replica_cpus=args.replica_cpus,
+        route=RouteOptions(max_imbalance=args.route_max_imbalance),
+    )
+    return run_replicated_server(options, args.ray_address)
 
 
 def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
@@ -211,13 +287,13 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
 def _add_bench(sub: argparse._SubParsersAction, with_kinds: bool) -> None:
     p = sub.add_parser(
         "bench",
-        help="Benchmarks: throughput, multiturn, quality, fidelity, moe.",
+        help="Benchmarks: throughput, multiturn, quality, fidelity, moe, replicas.",
         description="Benchmarks that write JSON reports (see docs/benchmarks/).",
     )
     kinds = p.add_subparsers(dest="bench", required=True)
     if not with_kinds:
         return
-    from sparsevllm.bench import fidelity_cli, moe, multiturn, throughput
+    from sparsevllm.bench import fidelity_cli, moe, multiturn, replicas, throughput
     from sparsevllm.bench.quality import cli as quality
 
     throughput.add_parser(kinds, add_engine_args)
@@ -225,6 +301,7 @@ def _add_bench(sub: argparse._SubParsersAction, with_kinds: bool) -> None:
     quality.add_parser(kinds)
     fidelity_cli.add_parser(kinds)
     moe.add_parser(kinds)
+    replicas.add_parser(kinds)
 
 
 def main(argv: list[str] | None = None) -> int:

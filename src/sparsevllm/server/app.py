@@ -120,6 +120,7 @@ def build_app(
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = None,
+    response_id_prefix: str = "",
 ) -> FastAPI:
     """The OpenAI-compatible app over `async_engine` (its worker starts with the app).
 
@@ -128,11 +129,14 @@ def build_app(
     `max_stored_responses` is how many /v1/responses results are kept for GET and
     `previous_response_id` (oldest dropped first); `reasoning_parser` (server/reasoning.py)
     splits replies' `<think>` text into `reasoning_content` and reasoning items;
-    `tool_call_parser` (server/tool_parsers.py) finds the tool calls of replies.
+    `tool_call_parser` (server/tool_parsers.py) finds the tool calls of replies;
+    `response_id_prefix` follows `resp_` in response ids (a replica's name, so that a
+    router can tell which replica stores a `previous_response_id`).
     """
     reasoning = get_reasoning_parser(reasoning_parser)
     tools = get_tool_parser(tool_call_parser)
     ctx = ServingContext(async_engine, served_model_name, max_queue_len, reasoning, tools)
+    ctx.response_id_prefix = response_id_prefix
     responses = ResponseStore(max_stored_responses)
 
     @asynccontextmanager

@@ -61,7 +61,7 @@ async def create_response(
         max_tokens = check_context_length(
             len(prompt.ids), req.max_output_tokens, ctx.max_model_len, "max_output_tokens", "input"
         )
-        response_id = f"resp_{uuid.uuid4().hex}"
+        response_id = f"resp_{ctx.response_id_prefix}{uuid.uuid4().hex}"
         chain_id = prev.chain_id if prev is not None else f"conv-{response_id}"
         params, param = plan.constrain(req.sampling_params(max_tokens), req.structured().param)
         choices, requests = fan_out(response_id, [PromptInput(prompt.ids)], params, 1, chain_id)

@@ -64,6 +64,7 @@ class ServingContext:
         self.max_model_len = engine.max_model_len
         self.token_strings = TokenStrings(engine.tokenizer)
         self.created = int(time.time())
+        self.response_id_prefix = ""  # after `resp_` in response ids (build_app's)
         self._admitting = 0  # sequences between their body's parse and their submission
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsevllm-tok")
 
