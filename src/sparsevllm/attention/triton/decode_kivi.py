@@ -119,18 +119,18 @@ def _halves(w):  # type: ignore[no-untyped-def]
 @triton.jit
 def _sealed_plane_qk(  # type: ignore[no-untyped-def]
     kb,
-    gpar,
+    gp,
     q_b,
     b: tl.constexpr,
+    P: tl.constexpr,
     BITS: tl.constexpr,
     DT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ASM: tl.constexpr,
 ):
     """Plane b's share of a one-group tile's logits `[BLOCK_G, BLOCK_N]`: the dot of the
-    scaled query channels with `bias + code`, less the bias's excess, plus `q . z`
-    (`gpar` `[P]`: the group's parameters of the plane's channels)."""
-    s, z = _halves(gpar)
+    scaled query channels with `bias + code`, less the bias's excess, plus `q . z`."""
+    s, z = _halves(tl.load(gp + b * P + tl.arange(0, P)))  # [P] the group's parameters
     q_s = (q_b * s[None, :]).to(DT)  # [BLOCK_G, P]
     qk = tl.dot(q_s, tl.trans(_biased_plane(kb, b, BITS, DT, ASM)), input_precision=DOT_PREC)
     corr = tl.sum(q_s.to(tl.float32) * _code_bias(DT) - q_b * z[None, :], 1)  # [BLOCK_G]
@@ -293,59 +293,23 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     v_head = v_codes_ptr + kvh * stride_ch + offs_p[None, :]
     par_head = v_par_ptr + kvh * stride_ph
     group_head = groups_ptr + kvh * stride_gh
-    # The fast loop issues the next tile's loads before its own math (Triton pipelines
-    # loads that feed dots, not these, which feed the unpacking): codes, value parameters
-    # and group parameters one tile ahead, slot ids and group ids two.
-    tg_row = tile_group_ptr + s.to(tl.int64) * stride_tg
-    first = tl.load(table_row + start + offs_n, mask=start + offs_n < fast_end, other=0)
-    slot_nx = tl.load(
-        table_row + start + BLOCK_N + offs_n, mask=start + BLOCK_N + offs_n < fast_end, other=0
-    )
-    gid_nx = tl.load(tg_row + start // BLOCK_N + 1, mask=start + BLOCK_N < fast_end, other=0)
-    gid = tl.load(tg_row + start // BLOCK_N, mask=start < fast_end, other=0).to(tl.int64)
-    gp0 = group_head + gid * stride_gg + offs_p
-    kb = tl.load(k_head + first.to(tl.int64)[:, None] * stride_cs)  # [BLOCK_N, P] uint8
-    vb = tl.load(v_head + first.to(tl.int64)[:, None] * stride_cs)
-    vw = tl.load(par_head + first.to(tl.int64) * stride_ps)  # [BLOCK_N] value parameters
-    gpar0 = tl.load(gp0)  # [P] the key group's parameters of plane 0, and so on
-    gpar1 = tl.load(gp0 + P)
-    gpar2 = gpar0
-    gpar3 = gpar0
-    if NPL == 4:
-        gpar2 = tl.load(gp0 + 2 * P)
-        gpar3 = tl.load(gp0 + 3 * P)
     for j in range(start, fast_end, BLOCK_N):
         valid = (j + offs_n) < end
-        # Next tile: its codes and parameters; the one after: its slot and group ids.
-        nx = j + BLOCK_N
-        at_nx = slot_nx.to(tl.int64)[:, None] * stride_cs
-        kb_nx = tl.load(k_head + at_nx)
-        vb_nx = tl.load(v_head + at_nx)
-        vw_nx = tl.load(par_head + slot_nx.to(tl.int64) * stride_ps)
-        gp_nx = group_head + gid_nx.to(tl.int64) * stride_gg + offs_p
-        gpar0_nx = tl.load(gp_nx)
-        gpar1_nx = tl.load(gp_nx + P)
-        gpar2_nx = gpar0_nx
-        gpar3_nx = gpar0_nx
+        slot = tl.load(table_row + j + offs_n, mask=valid, other=0).to(tl.int64)
+        gid = tl.load(tile_group_ptr + s.to(tl.int64) * stride_tg + j // BLOCK_N).to(tl.int64)
+        gp = group_head + gid * stride_gg
+        kb = tl.load(k_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
+        qk = _sealed_plane_qk(kb, gp, q0, 0, P, BITS, qd, DOT_PREC, ASM)  # [BLOCK_G, BLOCK_N]
+        qk += _sealed_plane_qk(kb, gp, q1, 1, P, BITS, qd, DOT_PREC, ASM)
         if NPL == 4:
-            gpar2_nx = tl.load(gp_nx + 2 * P)
-            gpar3_nx = tl.load(gp_nx + 3 * P)
-        after = nx + BLOCK_N + offs_n
-        slot_nx = tl.load(table_row + after, mask=after < fast_end, other=0)
-        gid_nx = tl.load(tg_row + nx // BLOCK_N + 1, mask=nx + BLOCK_N < fast_end, other=0)
-
-        qk = _sealed_plane_qk(kb, gpar0, q0, 0, BITS, qd, DOT_PREC, ASM)  # [BLOCK_G, BLOCK_N]
-        qk += _sealed_plane_qk(kb, gpar1, q1, 1, BITS, qd, DOT_PREC, ASM)
-        if NPL == 4:
-            qk += _sealed_plane_qk(kb, gpar2, q2, 2, BITS, qd, DOT_PREC, ASM)
-            qk += _sealed_plane_qk(kb, gpar3, q3, 3, BITS, qd, DOT_PREC, ASM)
+            qk += _sealed_plane_qk(kb, gp, q2, 2, P, BITS, qd, DOT_PREC, ASM)
+            qk += _sealed_plane_qk(kb, gp, q3, 3, P, BITS, qd, DOT_PREC, ASM)
         qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
         # A value's scale scales its probability, its zero point goes to zacc.
-        v_s, v_z = _halves(vw)  # a padding entry's (slot 0's) parameters are not read
-        v_s = tl.where(valid, v_s, 0.0)
-        v_z = tl.where(valid, v_z, 0.0)
+        v_s, v_z = _halves(tl.load(par_head + slot * stride_ps, mask=valid, other=0))
         p_s = (p * v_s[None, :]).to(qd)
+        vb = tl.load(v_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
         acc0 = acc0 * alpha[:, None] + tl.dot(
             p_s, _biased_plane(vb, 0, BITS, qd, ASM), input_precision=DOT_PREC
         )
@@ -361,8 +325,6 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
             )
         bias_excess = _code_bias(qd) * tl.sum(p_s.to(tl.float32), 1)
         zacc = zacc * alpha + tl.sum(p * v_z[None, :], 1) - bias_excess
-        kb, vb, vw = kb_nx, vb_nx, vw_nx
-        gpar0, gpar1, gpar2, gpar3 = gpar0_nx, gpar1_nx, gpar2_nx, gpar3_nx
     for j in range(fast_end, end, BLOCK_N):
         valid = (j + offs_n) < end
         slot = tl.load(table_row + j + offs_n, mask=valid, other=0).to(tl.int64)
@@ -466,8 +428,9 @@ def kivi_decode_attention(
     bits: int,
     num_splits: int | None = None,
     block_n: int = 32,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    # The fastest of 2/4/8 warps x 1-4 stages at 64 x 8K on the H200 (kivi_kernels).
+    num_warps: int = 2,
+    num_stages: int = 3,
     asm_unpack: bool = True,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole view in KIVI storage;
