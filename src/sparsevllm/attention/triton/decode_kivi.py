@@ -22,6 +22,8 @@ Two loops over a split, each without branches (so Triton pipelines their loads):
   entries): each entry dequantized with its own group's parameters or read in full
   precision.
 
+The plane helpers (unpacking, folding, per-entry dequantization) are in kivi_planes.py.
+
 CUDA-graph capturable: no host sync, buffers sized from shapes.
 """
 
@@ -33,136 +35,13 @@ import triton.language as tl
 
 from sparsevllm.attention.triton._common import LOG2E, auto_num_splits, dot_precision, next_pow2
 from sparsevllm.attention.triton.decode import merge_splits
-
-
-@triton.jit
-def _code_bias(DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    # The smallest power of two whose mantissa unit is 1: bf16 (7 bits) 128, fp16 1024.
-    if DT == tl.bfloat16:
-        return 128.0
-    elif DT == tl.float16:
-        return 1024.0
-    else:
-        return 0.0
-
-
-def _unpack_bf16_asm(shift: int, mask: int) -> tl.constexpr:
-    """PTX turning 4 packed bytes into 4 bf16 `128 + ((byte >> shift) & mask)`: one shift
-    of the word, two byte permutes spreading bytes (0, 1) and (2, 3) over 16-bit lanes,
-    two `(x & mask) | 128` (LOP3): about one instruction per code where Triton's
-    elementwise ops spend four (widen, shift, and, or)."""
-    src = "$2" if shift == 0 else "w"
-    lanes = f"0x{mask:04X}{mask:04X}"
-    return tl.constexpr(
-        "{ .reg .b32 w, lo, hi, z; mov.b32 z, 0; "
-        + ("" if shift == 0 else f"shr.b32 w, $2, {shift}; ")
-        + f"prmt.b32 lo, {src}, z, 0x4140; prmt.b32 hi, {src}, z, 0x4342; "
-        + f"lop3.b32 $0, lo, {lanes}, 0x43004300, 0xEA; "
-        + f"lop3.b32 $1, hi, {lanes}, 0x43004300, 0xEA; }}"
-    )
-
-
-# Plane b of int4 (int2) codes: bits 4 * b (2 * b) of each byte.
-_ASM_INT4_0, _ASM_INT4_1 = _unpack_bf16_asm(0, 15), _unpack_bf16_asm(4, 15)
-_ASM_INT2_0, _ASM_INT2_1 = _unpack_bf16_asm(0, 3), _unpack_bf16_asm(2, 3)
-_ASM_INT2_2, _ASM_INT2_3 = _unpack_bf16_asm(4, 3), _unpack_bf16_asm(6, 3)
-
-
-@triton.jit
-def _asm_plane(packed, asm: tl.constexpr):  # type: ignore[no-untyped-def]
-    return tl.inline_asm_elementwise(
-        asm, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4
-    )
-
-
-@triton.jit
-def _bf16_plane_asm(packed, b: tl.constexpr, BITS: tl.constexpr):  # type: ignore[no-untyped-def]
-    if BITS == 4:
-        if b == 0:
-            return _asm_plane(packed, _ASM_INT4_0)
-        else:
-            return _asm_plane(packed, _ASM_INT4_1)
-    elif b == 0:
-        return _asm_plane(packed, _ASM_INT2_0)
-    elif b == 1:
-        return _asm_plane(packed, _ASM_INT2_1)
-    elif b == 2:
-        return _asm_plane(packed, _ASM_INT2_2)
-    else:
-        return _asm_plane(packed, _ASM_INT2_3)
-
-
-@triton.jit
-def _biased_plane(packed, b: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Plane b of packed rows `[N, P]` as DT values `_code_bias(DT) + code`: in bf16 (fp16)
-    the exponent of 128 (1024) OR the code in the low mantissa bits (bf16 on a GPU: in
-    PTX, `ASM`)."""
-    if ASM:
-        return _bf16_plane_asm(packed, b, BITS)
-    c = (packed.to(tl.int32) >> (b * BITS)) & ((1 << BITS) - 1)
-    if DT == tl.bfloat16:
-        return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif DT == tl.float16:
-        return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        return c.to(DT)
-
-
-@triton.jit
-def _halves(w):  # type: ignore[no-untyped-def]
-    """An int32 holding two float16 (a scale, then a zero point) -> both as float32."""
-    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _sealed_plane_qk(  # type: ignore[no-untyped-def]
-    kb,
-    gp,
-    q_b,
-    b: tl.constexpr,
-    P: tl.constexpr,
-    BITS: tl.constexpr,
-    DT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """Plane b's share of a one-group tile's logits `[BLOCK_G, BLOCK_N]`: the dot of the
-    scaled query channels with `bias + code`, less the bias's excess, plus `q . z`."""
-    s, z = _halves(tl.load(gp + b * P + tl.arange(0, P)))  # [P] the group's parameters
-    q_s = (q_b * s[None, :]).to(DT)  # [BLOCK_G, P]
-    qk = tl.dot(q_s, tl.trans(_biased_plane(kb, b, BITS, DT, ASM)), input_precision=DOT_PREC)
-    corr = tl.sum(q_s.to(tl.float32) * _code_bias(DT) - q_b * z[None, :], 1)  # [BLOCK_G]
-    return qk - corr[:, None]
-
-
-@triton.jit
-def _any_plane(  # type: ignore[no-untyped-def]
-    cb,
-    st,
-    gp,
-    rp,
-    b: tl.constexpr,
-    v_par,
-    P: tl.constexpr,
-    BITS: tl.constexpr,
-    IS_KEY: tl.constexpr,
-):
-    """Plane b of a tile's keys or values `[BLOCK_N, P]` (float32), each entry
-    dequantized with its own parameters (its key group's, or its own value scale and
-    zero point `v_par`) or read from its residual row `rp` (-1: an empty entry, 0)."""
-    offs = b * P + tl.arange(0, P)
-    sealed = st >= 0
-    c = ((cb.to(tl.int32) >> (b * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-    if IS_KEY:
-        w = tl.load(gp[:, None] + offs[None, :], mask=sealed[:, None], other=0)
-        s, z = _halves(w)  # [BLOCK_N, P]
-    else:
-        s, z = _halves(v_par)  # [BLOCK_N]
-        s, z = s[:, None], z[:, None]
-    res = tl.load(rp[:, None] + offs[None, :], mask=(st <= -2)[:, None], other=0.0)
-    return tl.where(sealed[:, None], c * s + z, res.to(tl.float32))
+from sparsevllm.attention.triton.kivi_planes import (
+    any_plane,
+    biased_plane,
+    code_bias,
+    halves,
+    sealed_plane_qk,
+)
 
 
 @triton.jit
@@ -299,31 +178,31 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
         gid = tl.load(tile_group_ptr + s.to(tl.int64) * stride_tg + j // BLOCK_N).to(tl.int64)
         gp = group_head + gid * stride_gg
         kb = tl.load(k_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
-        qk = _sealed_plane_qk(kb, gp, q0, 0, P, BITS, qd, DOT_PREC, ASM)  # [BLOCK_G, BLOCK_N]
-        qk += _sealed_plane_qk(kb, gp, q1, 1, P, BITS, qd, DOT_PREC, ASM)
+        qk = sealed_plane_qk(kb, gp, q0, 0, P, BITS, qd, DOT_PREC, ASM)  # [BLOCK_G, BLOCK_N]
+        qk += sealed_plane_qk(kb, gp, q1, 1, P, BITS, qd, DOT_PREC, ASM)
         if NPL == 4:
-            qk += _sealed_plane_qk(kb, gp, q2, 2, P, BITS, qd, DOT_PREC, ASM)
-            qk += _sealed_plane_qk(kb, gp, q3, 3, P, BITS, qd, DOT_PREC, ASM)
+            qk += sealed_plane_qk(kb, gp, q2, 2, P, BITS, qd, DOT_PREC, ASM)
+            qk += sealed_plane_qk(kb, gp, q3, 3, P, BITS, qd, DOT_PREC, ASM)
         qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
         # A value's scale scales its probability, its zero point goes to zacc.
-        v_s, v_z = _halves(tl.load(par_head + slot * stride_ps, mask=valid, other=0))
+        v_s, v_z = halves(tl.load(par_head + slot * stride_ps, mask=valid, other=0))
         p_s = (p * v_s[None, :]).to(qd)
         vb = tl.load(v_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
         acc0 = acc0 * alpha[:, None] + tl.dot(
-            p_s, _biased_plane(vb, 0, BITS, qd, ASM), input_precision=DOT_PREC
+            p_s, biased_plane(vb, 0, BITS, qd, ASM), input_precision=DOT_PREC
         )
         acc1 = acc1 * alpha[:, None] + tl.dot(
-            p_s, _biased_plane(vb, 1, BITS, qd, ASM), input_precision=DOT_PREC
+            p_s, biased_plane(vb, 1, BITS, qd, ASM), input_precision=DOT_PREC
         )
         if NPL == 4:
             acc2 = acc2 * alpha[:, None] + tl.dot(
-                p_s, _biased_plane(vb, 2, BITS, qd, ASM), input_precision=DOT_PREC
+                p_s, biased_plane(vb, 2, BITS, qd, ASM), input_precision=DOT_PREC
             )
             acc3 = acc3 * alpha[:, None] + tl.dot(
-                p_s, _biased_plane(vb, 3, BITS, qd, ASM), input_precision=DOT_PREC
+                p_s, biased_plane(vb, 3, BITS, qd, ASM), input_precision=DOT_PREC
             )
-        bias_excess = _code_bias(qd) * tl.sum(p_s.to(tl.float32), 1)
+        bias_excess = code_bias(qd) * tl.sum(p_s.to(tl.float32), 1)
         zacc = zacc * alpha + tl.sum(p * v_z[None, :], 1) - bias_excess
     for j in range(fast_end, end, BLOCK_N):
         valid = (j + offs_n) < end
@@ -333,14 +212,14 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
         rrow = tl.maximum(-st - 2, 0).to(tl.int64) * stride_rs + kvh * stride_rh
         kb = tl.load(k_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
         rk = res_k_ptr + rrow
-        k0 = _any_plane(kb, st, gp, rk, 0, 0, P, BITS, True).to(qd)  # [BLOCK_N, P]
+        k0 = any_plane(kb, st, gp, rk, 0, 0, P, BITS, True).to(qd)  # [BLOCK_N, P]
         qk = tl.dot(q0.to(qd), tl.trans(k0), input_precision=DOT_PREC)
-        k1 = _any_plane(kb, st, gp, rk, 1, 0, P, BITS, True).to(qd)
+        k1 = any_plane(kb, st, gp, rk, 1, 0, P, BITS, True).to(qd)
         qk += tl.dot(q1.to(qd), tl.trans(k1), input_precision=DOT_PREC)
         if NPL == 4:
-            k2 = _any_plane(kb, st, gp, rk, 2, 0, P, BITS, True).to(qd)
+            k2 = any_plane(kb, st, gp, rk, 2, 0, P, BITS, True).to(qd)
             qk += tl.dot(q2.to(qd), tl.trans(k2), input_precision=DOT_PREC)
-            k3 = _any_plane(kb, st, gp, rk, 3, 0, P, BITS, True).to(qd)
+            k3 = any_plane(kb, st, gp, rk, 3, 0, P, BITS, True).to(qd)
             qk += tl.dot(q3.to(qd), tl.trans(k3), input_precision=DOT_PREC)
         qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
@@ -348,14 +227,14 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
         vb = tl.load(v_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
         rv = res_v_ptr + rrow
         pq = p.to(qd)
-        v0 = _any_plane(vb, st, gp, rv, 0, vw, P, BITS, False).to(qd)
+        v0 = any_plane(vb, st, gp, rv, 0, vw, P, BITS, False).to(qd)
         acc0 = acc0 * alpha[:, None] + tl.dot(pq, v0, input_precision=DOT_PREC)
-        v1 = _any_plane(vb, st, gp, rv, 1, vw, P, BITS, False).to(qd)
+        v1 = any_plane(vb, st, gp, rv, 1, vw, P, BITS, False).to(qd)
         acc1 = acc1 * alpha[:, None] + tl.dot(pq, v1, input_precision=DOT_PREC)
         if NPL == 4:
-            v2 = _any_plane(vb, st, gp, rv, 2, vw, P, BITS, False).to(qd)
+            v2 = any_plane(vb, st, gp, rv, 2, vw, P, BITS, False).to(qd)
             acc2 = acc2 * alpha[:, None] + tl.dot(pq, v2, input_precision=DOT_PREC)
-            v3 = _any_plane(vb, st, gp, rv, 3, vw, P, BITS, False).to(qd)
+            v3 = any_plane(vb, st, gp, rv, 3, vw, P, BITS, False).to(qd)
             acc3 = acc3 * alpha[:, None] + tl.dot(pq, v3, input_precision=DOT_PREC)
         zacc = zacc * alpha
 
