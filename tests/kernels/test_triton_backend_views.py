@@ -1,7 +1,6 @@
 """The Triton backend inside the engine, on CPU under the Triton interpreter (or on CUDA):
 decoding rows of a batch that also holds prefill chunks read the method's view, as the
-reference backend does; KIVI layers decode through the KIVI kernel with the reference
-backend's tokens."""
+reference backend does."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from kernel_env import DEVICE, require_triton
 require_triton()
 
 from sparsevllm import LLM, SamplingParams  # noqa: E402
-from sparsevllm.attention import triton_backend, triton_kivi  # noqa: E402
+from sparsevllm.attention import triton_backend  # noqa: E402
 from sparsevllm.engine import runner as runner_module  # noqa: E402
 
 # Staggered lengths and a small chunk: the long prompts are still prefilling while the
@@ -85,40 +84,3 @@ def test_prefill_window_scores_through_the_slot_table(tiny_model_factory, monkey
     # The parked chains hold compressed views: fewer slots than prompt + output tokens.
     full = sum(len(p) + GREEDY.max_tokens for p in PROMPTS)
     assert 0 < max(llm.engine.pool.used_per_layer()) < full - 40
-
-
-@pytest.mark.parametrize("fmt", ["int4", "int2"])
-@pytest.mark.parametrize("method", ["vanilla", "snapkv"])
-def test_kivi_layers_decode_through_the_kivi_kernel(tiny_model_factory, method, fmt, monkeypatch):
-    """Views sealed in order and re-grouped after SnapKV's compaction: the kernel's fast
-    loop and its general loop (residual tails) both serve the decode steps."""
-    model = tiny_model_factory("llama_hd64")
-    kwargs = dict(
-        sparse_method=method,
-        kv_cache_dtype=fmt,
-        dtype="float32",
-        chunk_prefill_size=32,
-        kv_quant_group_size=16,
-        kv_quant_residual=8,
-        enforce_eager=True,
-    )
-    if method == "snapkv":
-        kwargs.update(decode_keep_tokens=40, recent_keep_tokens=8)
-    prompts = [[1] + list(range(10, 90)), [1] + list(range(100, 150)), [1, 5, 6]]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ref = LLM(model, device="cpu", **kwargs).generate(prompts, greedy, use_tqdm=False)
-    calls = []
-    kernel = triton_kivi.kivi_decode_attention
-
-    def spy(*args, **kw):
-        calls.append(int(args[10].max()))  # the longest view
-        return kernel(*args, **kw)
-
-    monkeypatch.setattr(triton_kivi, "kivi_decode_attention", spy)
-    monkeypatch.setattr(runner_module, "default_backend_name", lambda device: "triton")
-    llm = LLM(model, device=DEVICE.type, kv_cache_memory_gb=0.05, **kwargs)
-    assert llm.engine.runner.backend.name == "triton"
-    assert not llm.engine.runner.backend.graph_safe
-    outs = llm.generate(prompts, greedy, use_tqdm=False)
-    assert calls and max(calls) > 2 * 16  # decode steps over sealed groups
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
