@@ -2,7 +2,7 @@
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
-#          gguf-part | quality | quality-rerun | quality-modes | formats-kernels | formats-throughput
+#          gguf-part | quality | quality-rerun | quality-modes | quality-formats | formats-kernels | formats-throughput
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -36,6 +36,19 @@ quality_modes() {
      | tail -80
   cp /tmp/q/* "$OUT/"
 }
+quality_formats() {
+  # Issue 15's grid: Gemma-3-270M at 4K, niah_single and niah_multikey, vanilla and SnapKV
+  # at ratio 0.75, one report per KV storage format (each resumes from its records).
+  [ -f /tmp/g/gemma-3-270m-q4_k_m.gguf ] || cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf
+  for f in ${FORMATS:-auto fp8_e4m3 int8 int4 int2}; do
+    PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
+       --model /tmp/g/gemma-3-270m-q4_k_m.gguf --tasks niah_single,niah_multikey \
+       --lengths 4096 --samples 20 --methods snapkv --ratios 0.75 --kv-cache-dtype "$f" \
+       --max-num-seqs 64 --enforce-eager --no-progress \
+       --json "$OUT/quality_gemma3_270m_4k_kv_$f.json" > "$OUT/quality_kv_$f.log" 2>&1
+    tail -12 "$OUT/quality_kv_$f.log"
+  done
+}
 run_part() {
   case $1 in
     tests)
@@ -62,6 +75,8 @@ run_part() {
       quality_grid ;;
     quality-modes)
       quality_modes ;;
+    quality-formats)
+      quality_formats ;;
     quality-rerun)
       # Issue 7: re-measure some methods' rows (RERUN, default omnikv: its default full
       # layers changed in session 4): drop their records, resume the same grid (the rest

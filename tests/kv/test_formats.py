@@ -12,9 +12,10 @@ from sparsevllm.kv.registry import KV_FORMATS, check_device, get_format
 
 HKV, D, SLOTS = 3, 16, 40
 QUANTIZED = ["fp8_e4m3", "int8"]
+FLOAT16 = ["bfloat16", "float16"]  # 16-bit floats under any compute dtype
 # Formats whose every byte belongs to one slot (KIVI's groups and residual rows are
 # shared state: tests/kv/test_kivi.py).
-SLOT_LOCAL = ["auto", *QUANTIZED]
+SLOT_LOCAL = ["auto", *FLOAT16, *QUANTIZED]
 
 
 def random_kv(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -40,6 +41,10 @@ def error_bound(name: str, x: torch.Tensor) -> torch.Tensor:
         # 3 mantissa bits: half an ulp is 2^-4 of the value; below the smallest normal
         # (2^-6) the step is 2^-9 of the scale.
         return torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)
+    if name == "bfloat16":  # 8 significant bits, float32's exponent range
+        return x.abs() * 2.0**-8
+    if name == "float16":  # 11 significant bits; below 2^-14 the step is 2^-24
+        return torch.maximum(x.abs() * 2.0**-11, torch.full_like(x, 2.0**-25))
     return torch.zeros_like(x)
 
 
@@ -68,6 +73,14 @@ def test_int8_and_fp8_keep_about_half_of_bf16s_bytes(name):
     assert fmt.bytes_per_slot(8, 128, torch.bfloat16) == 2 * 8 * (128 + 4)
     assert fmt.bytes_per_slot(8, 128, torch.bfloat16) / dense == pytest.approx(0.516, abs=1e-3)
     assert make(name, torch.bfloat16).bytes_per_slot() == fmt.bytes_per_slot(HKV, D, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", FLOAT16)
+def test_16_bit_formats_halve_float32s_bytes_and_run_on_the_cpu_only(name):
+    fmt = get_format(name)
+    assert fmt.bytes_per_slot(8, 128, torch.float32) == 2 * 8 * 128 * 2
+    assert make(name).k.dtype == getattr(torch, name)
+    assert fmt.usable_on(torch.device("cpu")) and "cuda" not in fmt.devices
 
 
 def test_slot_minus_one_is_skipped():
@@ -109,7 +122,7 @@ def test_tier_rows_round_trip_bit_exact_in_the_stored_form(name):
         assert torch.equal(b.buffers()[n][30:33], a.buffers()[n][[3, 1, 8]])
     moved = sum(t.numel() * t.element_size() for t in rows.values())
     assert moved == 3 * a.bytes_per_slot()
-    other = make("auto" if name != "auto" else "int8", torch.bfloat16)
+    other = make("auto" if get_format(name).scaled else "int8", torch.bfloat16)
     with pytest.raises(ValueError, match="storage has"):
         other.scatter_rows(torch.tensor([0, 1, 2]), rows)
 
@@ -122,5 +135,7 @@ def test_unknown_name_names_the_closest_format():
 
 def test_a_device_that_cannot_read_a_format_is_refused_with_the_usable_ones():
     gpu_only = dataclasses.replace(get_format("int8"), name="gpu_only", devices=("cuda",))
-    with pytest.raises(ValueError, match="cannot be used on cpu; usable here: auto, fp8_e4m3"):
+    with pytest.raises(
+        ValueError, match="cannot be used on cpu; usable here: auto, bfloat16, float16, fp8_e4m3"
+    ):
         check_device(gpu_only, torch.device("cpu"))

@@ -70,6 +70,22 @@ def test_covering_budget_with_chunks_gives_vanilla(model, vanilla, method, fmt):
     assert stats["kv_slots_used"] == stats["kv_slots_cached"]
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
+def test_16_bit_storage_under_float32_compute(model, fmt):
+    """Covering budgets equal vanilla in the same format; the stored K/V are rounded (the
+    tokens of float32 storage may differ), and the pool holds twice float32's slots."""
+    ref = tokens(LLM(model, dtype="float32", kv_cache_dtype=fmt, chunk_prefill_size=CHUNK))
+    for method in ("snapkv", "quest"):
+        budget = covering_budget(method, recent=64)
+        llm = LLM(model, dtype="float32", kv_cache_dtype=fmt, chunk_prefill_size=CHUNK, **budget)
+        assert tokens(llm) == ref
+    runner = llm.engine.runner
+    assert runner.kv_format.name == fmt and runner.kv_storage[0].k.dtype == getattr(torch, fmt)
+    full = LLM(model, dtype="float32", kv_cache_memory_gb=0.01).engine.pool.num_slots
+    half = LLM(model, dtype="float32", kv_cache_dtype=fmt, kv_cache_memory_gb=0.01)
+    assert half.engine.pool.num_slots == pytest.approx(2 * full, rel=0.01)
+
+
 def test_a_chunk_reads_its_own_kv_unquantized(model):
     """One chunk of a prompt attends to its fresh K/V: its logits equal auto's exactly
     wherever every key a position sees is its own chunk's, and differ where older chunks
@@ -118,8 +134,11 @@ def same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> 
     )
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("method", ["snapkv", "h2o", "streamingllm"])
+@pytest.mark.parametrize(
+    "method,fmt",
+    [(m, f) for f in FORMATS for m in ("snapkv", "h2o", "streamingllm")]
+    + [("snapkv", "bfloat16"), ("h2o", "float16")],  # 16-bit floats under float32 compute
+)
 def test_chains_continue_and_restore_bit_exact_from_cpu_and_disk(model, tmp_path, method, fmt):
     kw = dict(kv_cache_dtype=fmt, num_kv_slots=200, chunk_prefill_size=256, **knobs(method))
     calm = LLM(model, **kw)

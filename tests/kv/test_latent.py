@@ -45,10 +45,11 @@ def test_one_buffer_moves_each_token_once(name):
     storage = make(name, torch.bfloat16)
     storage.store(rows(10, 1), rows(10, 1)[..., :RANK], torch.arange(10))
     buffers = storage.buffers()
-    assert set(buffers) == ({"kv"} if name == "auto" else {"kv", "kv_scale"})
+    fmt = get_format(name)
+    assert set(buffers) == ({"kv", "kv_scale"} if fmt.scaled else {"kv"})
     # bytes: one row (+ one float32 scale), not K and V
-    elem = 2 if name == "auto" else 1
-    expected = (RANK + ROPE) * elem + (0 if name == "auto" else 4)
+    elem = (fmt.element_dtype or torch.bfloat16).itemsize
+    expected = (RANK + ROPE) * elem + (4 if fmt.scaled else 0)
     assert storage.bytes_per_slot() == expected
     assert layer_bytes(get_format(name), LAYOUT, torch.bfloat16) == expected
     before = storage.read(torch.tensor([7, 2]))
@@ -95,5 +96,7 @@ def test_bad_layouts_are_refused(kwargs, message):
 
 @pytest.mark.parametrize("name", ["int4", "int2"])
 def test_a_format_that_cannot_store_latent_rows_names_the_ones_that_can(name):
-    with pytest.raises(ValueError, match="cannot store the mla_latent slot layout.*auto, fp8"):
+    with pytest.raises(
+        ValueError, match="cannot store the mla_latent slot layout.*auto, bfloat16, float16, fp8"
+    ):
         make(name)

@@ -1,4 +1,11 @@
-"""`kv_cache_dtype="auto"`: K and V in the model dtype, as computed."""
+"""`kv_cache_dtype="auto"`: K and V in the model dtype, as computed; `bfloat16` and
+`float16`: K and V rounded to a 16-bit float whatever the compute dtype.
+
+The 16-bit formats are for float32 compute (the CPU default where bfloat16 is slow):
+they halve float32's KV bytes, and are the precision floor that the 8-bit formats are
+measured against (docs/quality/README.md). A CUDA engine computes in bfloat16, where
+`auto` already stores bfloat16, so they are CPU formats (the Triton kernels read K and
+V in the compute dtype)."""
 
 from __future__ import annotations
 
@@ -19,8 +26,9 @@ class DenseStorage(KVStorage):
     ) -> None:
         super().__init__(fmt, dtype)
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k = kv_zeros(shape, dtype, device)
-        self.v = kv_zeros(shape, dtype, device)
+        stored = fmt.element_dtype or dtype
+        self.k = kv_zeros(shape, stored, device)
+        self.v = kv_zeros(shape, stored, device)
 
     @classmethod
     def wrap(cls, k: torch.Tensor, v: torch.Tensor) -> DenseStorage:
@@ -38,7 +46,7 @@ class DenseStorage(KVStorage):
         self.v[slots] = v.to(self.v.dtype)
 
     def dequantize(self, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        return data
+        return data.to(self.dtype)  # a no-op in the model dtype
 
 
 MODEL_DTYPE = KVFormat(
@@ -48,3 +56,19 @@ MODEL_DTYPE = KVFormat(
     scaled=False,
     factory=DenseStorage,
 )
+
+
+def _float16_format(name: str, dtype: torch.dtype) -> KVFormat:
+    return KVFormat(
+        name=name,
+        help=f"K and V stored as {name} under any compute dtype (half of float32's bytes; "
+        "CPU only: on CUDA, auto stores bfloat16)",
+        element_dtype=dtype,
+        scaled=False,
+        factory=DenseStorage,
+        devices=("cpu",),
+    )
+
+
+BFLOAT16 = _float16_format("bfloat16", torch.bfloat16)
+FLOAT16 = _float16_format("float16", torch.float16)

@@ -54,4 +54,4 @@ class LatentStorage(KVStorage):
             self.k[slots], self.k_scale[slots] = quantize(k, self.k.dtype)
 
     def dequantize(self, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        return data if scale is None else dequantize(data, scale, self.dtype)
+        return data.to(self.dtype) if scale is None else dequantize(data, scale, self.dtype)

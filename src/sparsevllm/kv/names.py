@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 
 # Each names a format in kv/registry.py (which checks that the two lists agree).
-FORMAT_NAMES: tuple[str, ...] = ("auto", "fp8_e4m3", "int8", "int4", "int2")
+FORMAT_NAMES: tuple[str, ...] = ("auto", "bfloat16", "float16", "fp8_e4m3", "int8", "int4", "int2")
 
 
 def check_format_name(name: str) -> None:

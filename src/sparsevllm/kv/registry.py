@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsevllm.kv.dense import MODEL_DTYPE
+from sparsevllm.kv.dense import BFLOAT16, FLOAT16, MODEL_DTYPE
 from sparsevllm.kv.format import KVFormat, KVStorage
 from sparsevllm.kv.kivi import INT2, INT4
 from sparsevllm.kv.latent import LatentStorage
@@ -12,7 +12,9 @@ from sparsevllm.kv.layout import SlotLayout
 from sparsevllm.kv.names import FORMAT_NAMES, check_format_name
 from sparsevllm.kv.scaled import FP8_E4M3, INT8
 
-KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (MODEL_DTYPE, FP8_E4M3, INT8, INT4, INT2)}
+KV_FORMATS: dict[str, KVFormat] = {
+    f.name: f for f in (MODEL_DTYPE, BFLOAT16, FLOAT16, FP8_E4M3, INT8, INT4, INT2)
+}
 if tuple(KV_FORMATS) != FORMAT_NAMES:
     raise ImportError(f"kv/names.py lists {FORMAT_NAMES}, the registry {tuple(KV_FORMATS)}")
 
