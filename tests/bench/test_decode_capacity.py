@@ -151,3 +151,23 @@ def test_what_cannot_run_says_why(model, tmp_path, extra, message):
     args += ["--output-len", "6", "--dtype", "float32", "--decode-capacity", *extra]
     with pytest.raises(SystemExit, match=message):
         main(args)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "snapkv"])
+def test_sliding_window_layers_are_copied_too(tmp_path, method):
+    """Gemma 3: under the chain cache a copy also holds its window groups' views (the
+    window's newest tokens, in a group sized apart); under the radix cache they share
+    its single group."""
+    from tiny_gemma3 import save_tiny_gemma3
+
+    gemma = save_tiny_gemma3(tmp_path / "gemma3")
+    knobs = METHOD_KNOBS[method]
+    real_llm = LLM(gemma, dtype="float32", sparse_method=method, max_num_seqs=8, **knobs)
+    radix = real_llm.engine.config.prefix_cache_mode == "radix"
+    real = throughput.run_engine(real_llm, PROMPTS if radix else [PROMPTS[0]] * BATCH, 5)
+    llm = LLM(gemma, dtype="float32", sparse_method=method, max_num_seqs=8, **knobs)
+    assert radix or llm.engine.pool.windows  # the chain cache has window groups
+    seen = watch_views(llm)
+    run = throughput.run_engine(llm, PROMPTS[:1], 5, BATCH)
+    assert run["completions"] == [real["completions"][0]] * BATCH
+    assert run["kv_layer_slots"] == real["kv_layer_slots"] and max(seen) == BATCH

@@ -95,9 +95,7 @@ def test_cpu_tier_first_then_disk_and_the_size_cap(model, tmp_path):
     assert llm.engine.stats()["num_preemptions"] == 0
 
 
-@pytest.mark.parametrize(
-    "method", [SNAPKV, H2O, ADAKV, RKV], ids=["snapkv", "h2o", "adakv", "rkv"]
-)
+@pytest.mark.parametrize("method", [SNAPKV, H2O, ADAKV, RKV], ids=["snapkv", "h2o", "adakv", "rkv"])
 def test_a_restarted_engine_continues_a_saved_chain(model, tmp_path, method):
     calm_llm = LLM(model, **method)
     first = run_one(calm_llm, FIRST, chain_id="keep")

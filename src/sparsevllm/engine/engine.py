@@ -293,10 +293,11 @@ class LLMEngine:
         the device and, for a chain, the sequence's state: a request whose prompt
         extends a copy's `tokens` (naming its `chain_id`) continues it as it would the
         original. Copies under the radix cache are cached under other tokens (the
-        original's with the first replaced), so their KV is synthetic. For benchmarks
-        that need many sequences holding real memory without prefilling each one
-        (`bench throughput --decode-capacity`). Raises PoolExhausted when the pool
-        cannot hold them all (nothing is copied then)."""
+        original's with the first replaced), so their KV is synthetic, and stays cached
+        as such: a later request sharing a prefix with a copy would borrow KV that is not
+        its tokens'. For benchmarks that need many sequences holding real memory without
+        prefilling each one (`bench throughput --decode-capacity`), not for serving.
+        Raises PoolExhausted when the pool cannot hold them all (nothing is copied)."""
         if self.store is None:
             raise ValueError("prefix caching is off: there is no cached state to copy")
         if count < 0:
