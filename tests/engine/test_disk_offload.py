@@ -17,6 +17,9 @@ NEW = [9, 8, 7]
 PRESSURE = dict(num_kv_slots=300, chunk_prefill_size=256)
 SNAPKV = dict(sparse_method="snapkv", decode_keep_tokens=64, recent_keep_tokens=8)
 H2O = dict(sparse_method="h2o", h2o_decode_budget=48, recent_keep_tokens=8)
+# State that moves with the chain too: per-head rows (AdaKV), the window's votes (R-KV).
+ADAKV = dict(sparse_method="adakv", decode_keep_tokens=64, recent_keep_tokens=8)
+RKV = dict(sparse_method="rkv", decode_keep_tokens=64, recent_keep_tokens=8, rkv_interval=4)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,7 @@ def test_cpu_tier_first_then_disk_and_the_size_cap(model, tmp_path):
     assert llm.engine.stats()["num_preemptions"] == 0
 
 
-@pytest.mark.parametrize("method", [SNAPKV, H2O], ids=["snapkv", "h2o"])
+@pytest.mark.parametrize("method", [SNAPKV, H2O, ADAKV, RKV], ids=["snapkv", "h2o", "adakv", "rkv"])
 def test_a_restarted_engine_continues_a_saved_chain(model, tmp_path, method):
     calm_llm = LLM(model, **method)
     first = run_one(calm_llm, FIRST, chain_id="keep")

@@ -19,6 +19,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from sparsevllm.bench.capacity import (
+    Resend,
+    add_capacity_argument,
+    check_batch,
+    fill_batch,
+    report_fields,
+)
 from sparsevllm.bench.model_configs import MODEL_CONFIGS, write_model_config
 from sparsevllm.bench.roofline import measure_copy_bandwidth, moe_report, weight_bytes_per_step
 from sparsevllm.engine.kv_pool import shuffle_seed
@@ -59,7 +66,9 @@ def _drain(engine, device: torch.device) -> tuple[list, float, list[float], list
     return outputs, time.perf_counter() - start, decode_times, kv_layer_slots
 
 
-def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+def run_engine(
+    llm: LLM, prompts: list[list[int]], output_len: int, batch: int | None = None
+) -> dict[str, Any]:
     """Two phases, so every request decodes in one batch.
 
     Phase 1 prefills every prompt and samples its first token. Phase 2 sends each
@@ -67,6 +76,11 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str,
     cache) restores the KV, the new token is computed, and all requests decode together
     for the remaining tokens. Without the phases, requests that finish prefill early
     would be done before the last prefill ends, and no step would decode the full batch.
+
+    With `batch` (decode-capacity mode, bench/capacity.py) the prompts are seeds: between
+    the phases their cached state is copied up to `batch` sequences, and phase 2 resends
+    the copies too. `completions` holds each phase-2 request's tokens (the first one
+    included), `seeds` the prompt whose state it holds.
     """
     engine = llm.engine
     device = engine.runner.device
@@ -76,18 +90,34 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str,
     outs, prefill_s, _, _ = _drain(engine, device)
     scoring = engine.runner.scoring.cost.as_dict()  # phase 1's scoring passes (KVzip)
     by_id = {o.request_id: o for o in outs}
+    firsts = [by_id[rid] for rid in ids]
+    resends = [
+        Resend(p + o.token_ids, o.chain_id, i) for i, (p, o) in enumerate(zip(prompts, firsts))
+    ]
+    copy_s = None
+    if batch is not None:
+        _sync(device)
+        start = time.perf_counter()
+        resends += fill_batch(engine, prompts, firsts, batch)
+        _sync(device)
+        copy_s = time.perf_counter() - start
     rest = SamplingParams(temperature=0.0, max_tokens=max(1, output_len - 1), ignore_eos=True)
-    for rid, p in zip(ids, prompts):
-        engine.add_request(p + by_id[rid].token_ids, rest)
+    rids = [engine.add_request(r.tokens, rest, chain_id=r.chain_id) for r in resends]
     finals, decode_s, decode_times, kv = _drain(engine, device)
+    done = {o.request_id: o for o in finals}
     return {
         "total_s": prefill_s + decode_s,
         "prefill_s": prefill_s,
+        "copy_s": copy_s,
         "decode_step_times": decode_times,
         "kv_layer_slots": kv,
         "ttft": [o.metrics["time_to_first_token"] for o in outs],
         "cached_tokens": sum(o.num_cached_tokens for o in finals),
         "scoring": scoring,
+        "completions": [
+            firsts[r.seed].token_ids + done[rid].token_ids for r, rid in zip(resends, rids)
+        ],
+        "seeds": [r.seed for r in resends],
     }
 
 
@@ -133,15 +163,36 @@ def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, 
 def measure(
     args: argparse.Namespace, llm: LLM, prompt_len: int, bandwidth: float
 ) -> dict[str, Any]:
-    """One point: a batch of random `prompt_len`-token prompts through the engine."""
-    engine, runner = llm.engine, llm.engine.runner
+    """One point: a batch of random `prompt_len`-token prompts through the engine (with
+    --decode-capacity: a few of them, and copies of their state up to the batch)."""
+    engine = llm.engine
     vocab = engine.source.hf_config.vocab_size
-    batch = args.batch_size or max_batch(llm, prompt_len, args.output_len)
+    largest = max_batch(llm, prompt_len, args.output_len)
+    batch = args.batch_size or largest
+    seeds = args.decode_capacity
+    if seeds is not None:
+        check_batch(llm, batch, seeds, largest)
     # Seeded per length: a sweep's prompts never share a cached prefix across points.
     rng = random.Random(args.seed * 1_000_003 + prompt_len)
-    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(seeds or batch)]
     engine.reset_counters()
-    run = run_engine(llm, prompts, args.output_len)
+    run = run_engine(llm, prompts, args.output_len, batch if seeds is not None else None)
+    return report(args, llm, run, prompt_len, batch, len(prompts), bandwidth)
+
+
+def report(
+    args: argparse.Namespace,
+    llm: LLM,
+    run: dict[str, Any],
+    prompt_len: int,
+    batch: int,
+    prefilled: int,
+    bandwidth: float,
+) -> dict[str, Any]:
+    """The report of one `run_engine` run of `batch` requests, `prefilled` of which were
+    prefilled (fewer in decode-capacity mode: prefill rates are over those, and the
+    end-to-end rate of a batch that was not all prefilled is not reported)."""
+    engine, runner = llm.engine, llm.engine.runner
     steps = run["decode_step_times"][1:] or run["decode_step_times"]  # first one warms up
     step = statistics.median(steps) if steps else float("nan")
     per_layer_bytes = runner.kv_bytes_per_slot // runner.num_layers
@@ -150,6 +201,7 @@ def measure(
     roofline = (weights + kv_read) / bandwidth
     ttft = run["ttft"]
     stats = llm.stats()
+    end_to_end = batch * args.output_len / run["total_s"] if run["copy_s"] is None else None
     return {
         "model": args._model_name,
         "dtype": str(runner.dtype).replace("torch.", ""),
@@ -169,11 +221,12 @@ def measure(
         "prompt_len": prompt_len,
         "output_len": args.output_len,
         "batch_size": batch,
+        **report_fields(run["copy_s"], prefilled, batch),
         "concurrency": stats["max_concurrent_seqs"],
-        "prefill_tokens_per_s": batch * prompt_len / run["prefill_s"],
-        "scoring_pass": scoring_report(run["scoring"], run["prefill_s"], batch * prompt_len),
+        "prefill_tokens_per_s": prefilled * prompt_len / run["prefill_s"],
+        "scoring_pass": scoring_report(run["scoring"], run["prefill_s"], prefilled * prompt_len),
         "decode_tokens_per_s": batch / step if steps else None,
-        "end_to_end_tokens_per_s": batch * args.output_len / run["total_s"],
+        "end_to_end_tokens_per_s": end_to_end,
         "time_to_first_token_s": {"mean": statistics.mean(ttft), "max": max(ttft)},
         "time_per_output_token_s": step,
         "peak_kv_slots": stats["kv_slots_peak"],
@@ -237,6 +290,7 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args: Any) -> None:
         action="store_true",
         help="Use the largest batch whose worst-case KV fits the pool (the default without --batch-size).",
     )
+    add_capacity_argument(p)
     p.add_argument(
         "--hf-batch-size",
         type=int,
@@ -275,6 +329,11 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args: Any) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     from sparsevllm.engine_args import engine_config_from_args
 
+    if args.decode_capacity is not None and args.compare:
+        raise SystemExit(
+            "--compare runs the other engine end to end on the whole batch, prefill included: "
+            "drop --decode-capacity"
+        )
     config = engine_config_from_args(args)
     given = {k: v for k, v in config.to_dict().items() if k in vars(args)}
     if args.sweep_prompt_lens:

@@ -9,7 +9,13 @@ import torch
 
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.auto_budget import AutoBudgets
-from sparsevllm.engine.cache.store import NO_CLAIM, PruneResult, store_stats
+from sparsevllm.engine.cache.store import (
+    NO_CLAIM,
+    CachedCopy,
+    PruneResult,
+    PruneTarget,
+    store_stats,
+)
 from sparsevllm.engine.capacity import CapacityPlan, resolve_max_model_len
 from sparsevllm.engine.cpu_threads import apply_cpu_threads
 from sparsevllm.engine.devices import resolve_device
@@ -278,6 +284,26 @@ class LLMEngine:
         `prompt` (see engine/prune.py); the history stays matchable by the next turn."""
         tokens = None if prompt is None else self.encode(prompt)[1]
         return prune_cache(self.store, chain_id, tokens, ranges, method, keep_ratio)
+
+    def clone_cached(
+        self, chain_id: str | None = None, prompt: list[int] | None = None, *, count: int
+    ) -> list[CachedCopy]:
+        """`count` copies of an idle cached history (a chain by id, or the cached prefix
+        of the token ids `prompt`), each in KV slots of its own with the rows copied on
+        the device and, for a chain, the sequence's state: a request whose prompt
+        extends a copy's `tokens` (naming its `chain_id`) continues it as it would the
+        original. Copies under the radix cache are cached under other tokens (the
+        original's with the first replaced), so their KV is synthetic, and stays cached
+        as such: a later request sharing a prefix with a copy would borrow KV that is not
+        its tokens'. For benchmarks that need many sequences holding real memory without
+        prefilling each one (`bench throughput --decode-capacity`), not for serving.
+        Raises PoolExhausted when the pool cannot hold them all (nothing is copied)."""
+        if self.store is None:
+            raise ValueError("prefix caching is off: there is no cached state to copy")
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        target = PruneTarget(chain_id, None if prompt is None else list(prompt))
+        return self.store.clone(target, count, range(self.source.hf_config.vocab_size))
 
     def drain(self) -> None:
         """Wait for a step launched ahead (async_scheduling) whose rows all ended."""

@@ -39,13 +39,15 @@ def build_store(
     if not config.enable_prefix_caching:
         return None
     pruner = RunnerPruner(runner, config, pool)
+    rows = KVRows(runner.kv_storage, pool.group_of_layer)  # copies of entries (`clone`)
     store: PrefixStore
     if config.prefix_cache_mode == "radix":
-        store = RadixStore(pool, pruner, build_tiers(config, source, runner, pool, "radix"))
+        tiers = build_tiers(config, source, runner, pool, "radix")
+        store = RadixStore(pool, pruner, tiers, rows)
     else:
         state = ChainDeviceState(runner.kv, runner.methods, pool.num_groups)
         tiers = build_tiers(config, source, runner, pool, "chain", state)
-        store = ChainStore(pool, pruner, runner.release, new_owner, tiers)
+        store = ChainStore(pool, pruner, runner.release, new_owner, tiers, rows, state)
     pool.reclaimer = store
     found = store.attach()
     if found:

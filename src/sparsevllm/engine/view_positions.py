@@ -55,6 +55,14 @@ class ViewPositions:
     def forget(self, seq_id: int) -> None:
         self._records.pop(seq_id, None)
 
+    def copy(self, src: int, dst: int) -> None:
+        """Give `dst` the records of `src`, in tensors of its own (a copied chain)."""
+        records = self._records.get(src)
+        if records:
+            self._records[dst] = {
+                g: _Record(rec.kept.clone(), rec.next_pos) for g, rec in records.items()
+            }
+
     # -- persistence (the disk tier) ----------------------------------------------------
     def export(self, seq_id: int, num_groups: int) -> list[tuple[torch.Tensor, int] | None]:
         """Per group: (kept positions on the host, next position), or None (no record)."""

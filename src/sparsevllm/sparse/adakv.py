@@ -133,7 +133,11 @@ class AdaKV(SnapKV):
             i = step.row
             rows = self._rows.get(step.seq_id, {}).get(layer)
             context = batch.view_lens[group][i] - 1  # the view minus the new token
-            ok = rows is not None and batch.q_lens[i] == 1 and context >= rows.width
+            # A row asking for scores (a one-token prompt continuing the chain, as in the
+            # throughput benchmark's second phase, inside SnapKV's window) reads every
+            # kept row: a selected view cannot give scores.
+            single = batch.q_lens[i] == 1 and not batch.sparse.wants_scores(layer, i)
+            ok = rows is not None and single and context >= rows.width
             picks[i] = rows.positions(context) if ok and rows is not None else None
         if all(p is None for p in picks):
             return None
@@ -154,6 +158,29 @@ class AdaKV(SnapKV):
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
         self._rows.pop(seq_id, None)
+
+    def export_state(self, seq_id: int) -> dict[str, torch.Tensor]:
+        """Each layer's head rows: without them a continued chain (restored from disk,
+        or a copy) would read every kept row instead of each head's own."""
+        out: dict[str, torch.Tensor] = {}
+        for layer, rows in self._rows.get(seq_id, {}).items():
+            out[f"{layer}.rows"] = rows.rows.cpu()  # [Hkv, W] int32
+            out[f"{layer}.counts"] = rows.counts.cpu()  # [Hkv] int32
+            out[f"{layer}.width"] = torch.tensor(rows.width)
+        return out
+
+    def import_state(
+        self, seq_id: int, state: dict[str, torch.Tensor], device: torch.device
+    ) -> None:
+        layers = {int(key.split(".")[0]) for key in state}
+        self._rows[seq_id] = {
+            layer: HeadRows(
+                state[f"{layer}.rows"].to(device),
+                state[f"{layer}.counts"].to(device),
+                int(state[f"{layer}.width"]),
+            )
+            for layer in layers
+        }
 
 
 def split_budget(budget: int, sink: int, recent: int) -> tuple[int, int, int]:

@@ -127,6 +127,26 @@ class RKV(IntervalEviction):
     def release(self, seq_id: int) -> None:
         self._votes.pop(seq_id, None)
 
+    def export_state(self, seq_id: int) -> dict[str, torch.Tensor]:
+        """The window's votes per layer, oldest first (a continued chain scores with them
+        at its next eviction)."""
+        out: dict[str, torch.Tensor] = {}
+        for layer, recent in self._votes.get(seq_id, {}).items():
+            for i, vote in enumerate(recent):
+                out[f"{layer}.{i}.votes"] = vote.votes.cpu()  # [Hkv, L_step]
+                out[f"{layer}.{i}.end"] = torch.tensor(vote.end)
+        return out
+
+    def import_state(
+        self, seq_id: int, state: dict[str, torch.Tensor], device: torch.device
+    ) -> None:
+        keys = sorted({tuple(int(x) for x in key.split(".")[:2]) for key in state})
+        layers: dict[int, deque[Vote]] = {}
+        for layer, i in keys:
+            vote = Vote(int(state[f"{layer}.{i}.end"]), state[f"{layer}.{i}.votes"].to(device))
+            layers.setdefault(layer, deque(maxlen=self.window)).append(vote)
+        self._votes[seq_id] = layers
+
 
 def window_votes(
     recent: deque[Vote], after: int, length: int, device: torch.device

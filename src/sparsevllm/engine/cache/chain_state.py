@@ -5,7 +5,8 @@ view entry once its method evicted (`ViewPositions`), the method choice that ser
 (`MethodSet`), and the method's own per-sequence state (H2O's cumulative scores, for
 example). The host tier leaves both in place; a
 disk file carries them (`EntryState`), so that a later engine continues the chain
-exactly as this one would.
+exactly as this one would. A copy of a chain (`PrefixStore.clone`) takes the same
+state (`copy`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ class ChainDeviceState:
         self.methods.bind(key, self.methods.from_key(cast(str, state["method"])))
         method_state = cast(dict[str, torch.Tensor], state["method_state"])
         self.methods.of(key).import_state(key, method_state, self.kv.device)
+
+    def copy(self, src: int, dst: int) -> None:
+        """`StateCopier`: sequence `dst` gets `src`'s view positions, method choice and
+        method state (through `export_state` / `import_state`, what a disk file carries:
+        the state a chain needs to continue), each in tensors of its own."""
+        self.kv.positions.copy(src, dst)
+        self.methods.bind(dst, self.methods.choice_of(src))
+        method = self.methods.of(src)
+        method.import_state(dst, method.export_state(src), self.kv.device)
 
     def release(self, key: int) -> None:
         self.methods.release(key)

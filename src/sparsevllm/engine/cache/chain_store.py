@@ -10,16 +10,19 @@ so at admission its state is already its own and nothing is left to match. With 
 tiers (`chain_tiering.py`), idle chains move to host memory or disk under pressure.
 
 Pruning compresses the chain's views in place, per KV head where storage has one group
-per layer. Pure Python.
+per layer. A copy of an idle chain (`clone`, for the throughput benchmark's
+decode-capacity mode) is a new chain under a new owner: new slots holding the rows
+copied on the device, and the owner's per-sequence state copied too. Pure Python.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from sparsevllm.engine.cache.chain_tiering import ChainTiering
 from sparsevllm.engine.cache.chains import Chain, ChainCache
 from sparsevllm.engine.cache.store import (
+    CachedCopy,
     CacheEntryNotFound,
     CacheListing,
     ChainBusyError,
@@ -28,18 +31,21 @@ from sparsevllm.engine.cache.store import (
     PruneResult,
     PruneSpec,
     PruneTarget,
+    RowCopier,
+    StateCopier,
     StoreStats,
     store_stats,
 )
 from sparsevllm.engine.cache.tiering import Tiers
-from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.kv_pool import KVPool, PoolExhausted
 from sparsevllm.engine.sequence import Sequence
 
 
 class ChainStore:
     """`PrefixStore` over idle chains. `release_state(owner)` frees the per-sequence
     state a dropped chain kept outside the pool (the method's, the device row);
-    `new_owner()` names the sequence id a chain found on disk is kept under."""
+    `new_owner()` names the sequence id a chain found on disk (or a copy) is kept under;
+    `rows` and `state` copy a chain's KV rows and per-sequence state (`clone`)."""
 
     parks_views = True
 
@@ -50,12 +56,16 @@ class ChainStore:
         release_state: Callable[[int], None],
         new_owner: Callable[[], int],
         tiers: Tiers | None = None,
+        rows: RowCopier | None = None,
+        state: StateCopier | None = None,
     ) -> None:
         self.pool = pool
         self.pruner = pruner
         self.release_state = release_state
         self.new_owner = new_owner
         self.tiers = tiers
+        self.rows = rows
+        self.state = state
         self.chains = ChainCache(on_drop=self._drop)
         self.tiering = ChainTiering(self.chains, pool, tiers) if tiers is not None else None
 
@@ -162,6 +172,61 @@ class ChainStore:
             names = ", ".join(repr(c.chain_id) for c in found[:5])
             raise ValueError(f"{len(found)} chains match these tokens ({names}): pass chain_id")
         return found[0]
+
+    # -- copies (benchmarks) ------------------------------------------------------------
+    def clone(
+        self, target: PruneTarget, count: int, first_tokens: Iterable[int]
+    ) -> list[CachedCopy]:
+        """Copies keep the chain's tokens (chains are named by id: `first_tokens` is not
+        needed). The chain stays busy while it is copied, and so do the copies made so
+        far, so that making room for the next one never reclaims them."""
+        if self.rows is None or self.state is None:
+            raise RuntimeError("this chain store was built without a KV copier")
+        chain = self._find(target)
+        if chain.busy:
+            raise ChainBusyError(f"chain {chain.chain_id!r} is busy: a running request extends it")
+        if not self.chains.bring_back(chain):
+            raise ChainBusyError(
+                f"chain {chain.chain_id!r} is offloaded and the KV pool has no room to restore it"
+            )
+        chain.busy = True
+        made: list[Chain] = []
+        try:
+            for _ in range(count):
+                made.append(self._copy(chain, self.rows, self.state))
+        except BaseException as e:
+            for copy in made:  # nothing is copied unless every copy fits
+                self.chains.drop(copy)
+            if not isinstance(e, PoolExhausted):
+                raise
+            raise PoolExhausted(
+                f"the KV pool cannot hold {count} copies of chain {chain.chain_id!r} "
+                f"({chain.resident} slots per layer each): {len(made)} fit, "
+                f"{self.pool.num_free} of {self.pool.num_slots} slots per layer are free"
+            ) from e
+        finally:
+            for c in (chain, *made):
+                c.busy = False
+        return [CachedCopy(list(c.tokens), c.chain_id) for c in made]
+
+    def _copy(self, chain: Chain, rows: RowCopier, state: StateCopier) -> Chain:
+        """One copy of `chain`: a new owner with as many slots per pool group (window
+        groups included), the rows and the per-sequence state copied into them."""
+        groups = range(self.pool.num_groups)
+        owner = self.new_owner()
+        # Raises PoolExhausted before allocating anything when the slots do not fit.
+        self.pool.append_per_group(owner, [self.pool.num_resident(chain.owner, g) for g in groups])
+        copy = self.chains.add_copy(chain, owner)  # dropping it now frees what it holds
+        try:
+            rows.copy(
+                [self.pool.table(chain.owner, g) for g in groups],
+                [self.pool.table(owner, g) for g in groups],
+            )
+            state.copy(chain.owner, owner)
+        except BaseException:
+            self.chains.drop(copy)
+            raise
+        return copy
 
     # -- listings and the disk tier -----------------------------------------------------
     def listing(self) -> CacheListing:

@@ -181,6 +181,23 @@ class ChainCache:
             method=method,
         )
 
+    def add_copy(self, chain: Chain, owner: int) -> Chain:
+        """Register a copy of `chain` whose state the pool and the method keep under
+        `owner`, under a new id (`PrefixStore.clone`); busy, so neither reclaimed nor
+        offloaded, until the caller marks it idle."""
+        copy = Chain(
+            self.new_id(),
+            owner,
+            list(chain.tokens),
+            chain.resident,
+            chain.reclaim,
+            busy=True,
+            last_used=next(self._clock),
+            method=chain.method,
+        )
+        self.chains[copy.chain_id] = copy
+        return copy
+
     def by_owner(self, owner: int) -> Chain | None:
         return next((c for c in self.chains.values() if c.owner == owner), None)
 

@@ -5,7 +5,9 @@ view order, and every layer of the group reads rows at those slots. Host copies 
 per layer, every buffer of the layer's storage format by name (`k`, `v`, and the
 scales of a quantized format), each `[len(slots[g]), Hkv, ...]` in the same order and
 in the stored form, so writing them back to new slots in that order restores the view
-bit-identically and a quantized entry moves only its quantized bytes.
+bit-identically and a quantized entry moves only its quantized bytes. The same rows
+also move from slots to other slots on the device (`KVRows.copy`, for copies of a cached
+entry: `PrefixStore.clone`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,22 @@ class KVRows:
         index = self._index(slots)
         for layer, layer_rows in enumerate(rows):
             self.storage[layer].scatter_rows(index[self.group_of_layer[layer]], layer_rows)
+
+    def copy(self, src: list[list[int]], dst: list[list[int]]) -> None:
+        """`RowCopier`: every layer's rows at its group's `src[g]` slots written to the
+        `dst[g]` slots, device to device. It goes through `gather_rows` / `scatter_rows`,
+        so every buffer moves in the stored form (quantized codes and scales; KIVI key
+        groups are taken anew for the copy, as a restore takes them): the copy reads
+        back bit-identically from memory of its own."""
+        if [len(s) for s in src] != [len(d) for d in dst]:
+            raise ValueError(
+                f"copying {[len(s) for s in src]} rows per group into {[len(d) for d in dst]}"
+            )
+        at, to = self._index(src), self._index(dst)
+        for layer, storage in enumerate(self.storage):
+            g = self.group_of_layer[layer]
+            if len(src[g]):
+                storage.scatter_rows(to[g], storage.gather_rows(at[g]))  # [n, Hkv, ...] each
 
     def nbytes(self, counts: list[int]) -> int:
         return sum(

@@ -8,15 +8,26 @@ admission, when the pool's room is known. With offload tiers (`radix_tiering.py`
 evicted nodes move to host memory or disk and come back on the next hit.
 
 Pruning drops chosen slots from the nodes covering the ranges: one selection for every
-layer and head, since dense storage shares one slot table. Pure Python.
+layer and head, since dense storage shares one slot table.
+
+A copy of a cached prefix (`clone`, for the throughput benchmark's decode-capacity mode)
+must be matched by tokens of its own, or a request would find the original: it is cached
+under the original's tokens with the first one replaced by a token that no cached entry
+starts with, in new slots holding the original's rows. Its KV is then that of other
+tokens (synthetic: what a benchmark of decode timing and memory needs), and no two
+entries share a slot. Pure Python.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
 
 from sparsevllm.engine.cache.radix_tiering import RadixTiering
 from sparsevllm.engine.cache.radix_tree import Node, RadixTree
 from sparsevllm.engine.cache.store import (
     NO_CLAIM,
+    CachedCopy,
     CacheEntryNotFound,
     CacheListing,
     ChainBusyError,
@@ -25,22 +36,31 @@ from sparsevllm.engine.cache.store import (
     PruneResult,
     PruneSpec,
     PruneTarget,
+    RowCopier,
     StoreStats,
     store_stats,
 )
 from sparsevllm.engine.cache.tiering import Tiers
-from sparsevllm.engine.kv_pool import KVPool
+from sparsevllm.engine.kv_pool import KVPool, PoolExhausted
 from sparsevllm.engine.sequence import Sequence
 
 
 class RadixStore:
-    """`PrefixStore` over a radix tree of the pool's single layer group."""
+    """`PrefixStore` over a radix tree of the pool's single layer group; `rows` copies KV
+    rows for `clone`."""
 
     parks_views = False
 
-    def __init__(self, pool: KVPool, pruner: KVPruner, tiers: Tiers | None = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        pruner: KVPruner,
+        tiers: Tiers | None = None,
+        rows: RowCopier | None = None,
+    ) -> None:
         self.pool = pool
         self.pruner = pruner
+        self.rows = rows
         self.tree = RadixTree(free_slots=pool.free_slots)
         self.tiers = tiers
         self.tiering = RadixTiering(self.tree, pool, tiers) if tiers is not None else None
@@ -125,6 +145,75 @@ class RadixStore:
             spec.keep_ratio,
             spec.ranges,
         )
+
+    # -- copies (benchmarks) ------------------------------------------------------------
+    def clone(
+        self, target: PruneTarget, count: int, first_tokens: Iterable[int]
+    ) -> list[CachedCopy]:
+        """The original and the copies made so far stay locked while copies are made, so
+        that making room for the next one never evicts them."""
+        if self.rows is None:
+            raise RuntimeError("this radix store was built without a KV copier")
+        if target.chain_id is not None or not target.tokens:
+            raise ValueError("the radix prefix cache has no chains: name the prefix by its tokens")
+        tokens, tree = target.tokens, self.tree
+        src, node = tree.match(tokens)  # restores offloaded nodes on the way
+        cached = tree.depth(node)
+        if cached < len(tokens):
+            raise CacheEntryNotFound(
+                f"{cached} of the {len(tokens)} tokens are cached: only a cached prefix is copied"
+            )
+        if len(src) != cached:
+            raise ValueError("a pruned prefix (fewer slots than tokens) is not copied")
+        firsts = self._free_first_tokens(first_tokens, count)
+        tree.lock(node)
+        made: list[Node] = []
+        try:
+            for first in firsts:
+                made.append(self._copy([first, *tokens[1:]], src, self.rows))
+        except BaseException as e:
+            for leaf in made:  # nothing is copied unless every copy fits
+                tree.unlock(leaf)
+                tree.discard(leaf)
+            if not isinstance(e, PoolExhausted):
+                raise
+            raise PoolExhausted(
+                f"the KV pool cannot hold {count} copies of a {cached}-token cached prefix: "
+                f"{len(made)} fit, {self.pool.num_free} of {self.pool.num_slots} slots free"
+            ) from e
+        finally:
+            tree.unlock(node)
+        for leaf in made:
+            tree.unlock(leaf)
+        return [CachedCopy(list(leaf.tokens), None) for leaf in made]
+
+    def _free_first_tokens(self, first_tokens: Iterable[int], count: int) -> list[int]:
+        """`count` ids of `first_tokens` that no cached entry starts with (a copy cached
+        under one shares no node, hence no slot, with any other entry)."""
+        taken = self.tree.root.children
+        free = (t for t in dict.fromkeys(first_tokens) if t not in taken)
+        firsts = list(itertools.islice(free, count))
+        if len(firsts) < count:
+            raise ValueError(
+                f"{count} copies of a cached prefix need as many token ids that no cached "
+                f"prefix starts with; {len(firsts)} are left"
+            )
+        return firsts
+
+    def _copy(self, tokens: list[int], src: list[int], rows: RowCopier) -> Node:
+        """One copy: new slots (making room evicts only unlocked nodes), the rows copied
+        into them, and a new leaf below the root for `tokens`, locked."""
+        dst = self.pool.take_slots(len(src))
+        try:
+            rows.copy([src], [dst])
+        except BaseException:
+            self.pool.free_slots(dst)
+            raise
+        if self.tree.insert(tokens, dst):  # its first token is new: nothing is shared
+            raise RuntimeError("a copy of a cached prefix shares slots with another entry")
+        leaf = self.tree.root.children[tokens[0]]
+        self.tree.lock(leaf)
+        return leaf
 
     # -- listings and the disk tier -----------------------------------------------------
     def listing(self) -> CacheListing:

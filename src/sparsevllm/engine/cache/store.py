@@ -17,14 +17,16 @@ The life of a request, as a store sees it:
    abort, a preemption, an error).
 
 Between requests the pool asks for room (`reclaimable_slots`, `make_room`), and callers
-prune (`prune`), list (`listing`), and save the state to the disk tier at shutdown
-(`persist`) for a later engine to pick up (`attach`).
+prune (`prune`), list (`listing`), copy an entry into slots of its own (`clone`: the
+throughput benchmark's decode-capacity mode), and save the state to the disk tier at
+shutdown (`persist`) for a later engine to pick up (`attach`).
 
 Pure Python, like the scheduler: this module never imports torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Protocol, TypedDict
 
@@ -72,7 +74,8 @@ class PruneSpec:
 
 @dataclass(frozen=True)
 class PruneTarget:
-    """The history to prune: a chain by id, or the cached history of `tokens`."""
+    """The history to prune (or to copy, `PrefixStore.clone`): a chain by id, or the
+    cached history of `tokens`."""
 
     chain_id: str | None = None
     tokens: list[int] | None = None
@@ -98,6 +101,33 @@ class PruneResult:
         out["ranges"] = [list(r) for r in self.ranges]
         out["slots_freed"] = self.slots_freed
         return out
+
+
+@dataclass(frozen=True)
+class CachedCopy:
+    """A copy of a cached history (`PrefixStore.clone`), in KV slots of its own: a request
+    whose prompt extends `tokens` (naming `chain_id`, where the store names entries)
+    continues it exactly as it would continue the original."""
+
+    tokens: list[int]
+    chain_id: str | None
+
+
+class RowCopier(Protocol):
+    """The KV side of `PrefixStore.clone` (torch: `kv_rows.KVRows.copy`)."""
+
+    def copy(self, src: list[list[int]], dst: list[list[int]]) -> None:
+        """Write every layer's rows at its group's `src[g]` slots to the `dst[g]` slots
+        (as many, in order), on the device, every buffer in the stored form."""
+
+
+class StateCopier(Protocol):
+    """Per-sequence device state besides the KV rows, for `PrefixStore.clone` of a chain
+    (torch: `chain_state.ChainDeviceState.copy`)."""
+
+    def copy(self, src: int, dst: int) -> None:
+        """Give sequence `dst` a copy of `src`'s state (view positions, method choice,
+        the method's per-sequence state), in tensors of its own."""
 
 
 class KVPruner(Protocol):
@@ -243,6 +273,20 @@ class PrefixStore(Protocol):
         dropped slots at once; the history stays matchable for its whole length. Raises
         ValueError (a bad target or range), CacheEntryNotFound, or ChainBusyError (in
         use, or offloaded with no room to bring it back)."""
+
+    def clone(
+        self, target: PruneTarget, count: int, first_tokens: Iterable[int]
+    ) -> list[CachedCopy]:
+        """Make `count` copies of the idle cached history `target`, each in new KV slots
+        (never shared: a copy's reads touch memory of its own), with its rows copied on
+        the device in the stored form and, for a chain, its per-sequence state. A store
+        that names entries (chains) keeps the original's tokens under new chain ids; one
+        that matches by tokens alone (radix) caches each copy under the original's tokens
+        with the first replaced by an id from `first_tokens` that no cached entry starts
+        with, so that no two entries share a prefix, hence a slot. Nothing is copied
+        unless every copy fits: raises PoolExhausted (naming the numbers), ValueError,
+        CacheEntryNotFound or ChainBusyError. For benchmarks (`bench throughput
+        --decode-capacity`): the copies hold the memory real sequences would."""
 
     def listing(self) -> CacheListing:
         """What the store holds, for `GET /v1/cache`."""
