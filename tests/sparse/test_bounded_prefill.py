@@ -1,6 +1,6 @@
 """Bounded-memory prefill in the engine (EngineConfig.bounded_prefill): a prompt ten times
-the budget runs with at most budget + chunk resident tokens per layer at every step, on
-every storage format; a budget covering the prompt gives unbounded prefill's tokens; a
+the budget runs with at most budget + chunk resident tokens per layer at every step
+(SnapKV, PyramidKV, H2O; full-precision, int8 and int4 KV); a budget covering the prompt gives unbounded prefill's tokens; a
 prompt longer than the pool is admitted when it will be bounded and refused, with a hint,
 when not; and the engine's layer-0 selection equals the plain reference of the rule
 (layer 0's queries and keys do not depend on what earlier cuts kept, so a dense run
@@ -55,10 +55,19 @@ def run_traced(llm: LLM, prompt: list[int], params: SamplingParams = GREEDY):
 
 @pytest.mark.parametrize(
     "method,fmt",
-    [("snapkv", "auto"), ("snapkv", "int8"), ("snapkv", "int4"), ("pyramidkv", "auto")],
+    [
+        ("snapkv", "auto"),
+        ("snapkv", "int8"),
+        ("snapkv", "int4"),
+        ("pyramidkv", "auto"),
+        ("h2o", "auto"),
+        ("h2o", "int4"),
+    ],
 )
 def test_kv_never_exceeds_budget_plus_chunk(model, method, fmt):
     knobs = dict(SMALL, sparse_method=method, kv_cache_dtype=fmt, bounded_prefill="on")
+    if method == "h2o":
+        del knobs["snapkv_window_size"]
     if fmt == "int4":  # groups and a residual small enough to seal during the prompt
         knobs.update(kv_quant_group_size=8, kv_quant_residual=8)
     if method == "pyramidkv":  # its policy would prefill this prompt alone, in full
@@ -77,8 +86,11 @@ def test_kv_never_exceeds_budget_plus_chunk(model, method, fmt):
         assert len(set(budgets)) > 1
 
 
-def test_a_budget_covering_the_prompt_gives_unbounded_tokens(model):
-    covering = dict(SMALL, sparse_method="snapkv", decode_keep_tokens=4096)
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_a_budget_covering_the_prompt_gives_unbounded_tokens(model, method):
+    covering = dict(SMALL, sparse_method=method, decode_keep_tokens=4096)
+    if method == "h2o":
+        del covering["snapkv_window_size"]
     off = LLM(model, **covering).generate([PROMPT], GREEDY, use_tqdm=False)
     on = LLM(model, bounded_prefill="on", **covering).generate([PROMPT], GREEDY, use_tqdm=False)
     assert on[0].token_ids == off[0].token_ids
@@ -132,7 +144,7 @@ def test_auto_bounds_long_prompts_and_those_the_pool_cannot_hold():
 @pytest.mark.parametrize(
     "settings,match",
     [
-        ({"sparse_method": "h2o"}, r"h2o cannot cut .* the methods that can: snapkv, pyramidkv"),
+        ({"sparse_method": "rkv"}, r"rkv cannot .* methods that can: snapkv, pyramidkv, h2o"),
         ({"sparse_method": "snapkv", "sparse_methods": "tova"}, r"tova cannot cut"),
         ({"sparse_method": "vanilla"}, r"vanilla cannot cut"),
     ],

@@ -1,10 +1,10 @@
 """Bounded SnapKV / PyramidKV prefill against the plain reference of its rule
 (tests/bounded_reference.py, the rule of sparse/snapkv.py's docstring).
 
-The method runs through its real hooks on the real KV path: a `KVPool` with its layer
-groups, `DenseStorage` and `RunnerKV`, so every cut compacts the views per KV head and
-the next chunk's scores are computed over the compacted keys (`attention_mass` of the
-rows the method asks for, as the backend does). Queries and keys are random, fixed per
+The method runs through its real hooks on the real KV path (`run_hooks`: a `KVPool`,
+`DenseStorage` and `RunnerKV`), so every cut compacts the views per KV head and the
+next chunk's scores are computed over the compacted keys (`attention_mass` of the rows
+the method asks for, as the backend does). Queries and keys are random, fixed per
 logical position. Pooling kernel 1: max pooling makes plateaus of equal votes, and a tie
 broken differently at one cut changes every later one.
 """
@@ -16,12 +16,8 @@ import math
 import pytest
 import torch
 
-from bounded_reference import ref_bounded_snapkv
-from sparsevllm.attention.torch_ref import attention_mass
+from bounded_reference import ref_bounded_snapkv, run_hooks
 from sparsevllm.config import EngineConfig
-from sparsevllm.engine.kv_access import RunnerKV
-from sparsevllm.engine.kv_pool import KVPool
-from sparsevllm.kv.dense import DenseStorage
 from sparsevllm.sparse.base import SeqStep
 from sparsevllm.sparse.pyramidkv import PyramidKV
 from sparsevllm.sparse.snapkv import SnapKV
@@ -53,32 +49,7 @@ def random_qk(layers: int, n: int, seed: int) -> tuple[list[torch.Tensor], list[
 
 
 def run(method: SnapKV, q, k, chunks: list[int], bounded: bool = True):
-    """Prefill one sequence of sum(chunks) tokens in `chunks`: the kept logical positions
-    per layer (`[Hkv][B]`), the score rows asked per chunk, and each layer's residency
-    during each chunk (after its slots were added, before the method cut)."""
-    layers, total = len(k), sum(chunks)
-    pool = KVPool(total + 8, layers, method.layer_groups())
-    k_cache = [torch.zeros(total + 8, HKV, D) for _ in range(layers)]
-    v_cache = [torch.zeros(total + 8, HKV, D) for _ in range(layers)]
-    kv = RunnerKV(pool, [DenseStorage.wrap(kc, vc) for kc, vc in zip(k_cache, v_cache)])
-    asked, peaks, start = [], [], 0
-    for n in chunks:
-        new = pool.append(0, n)
-        for layer in range(layers):
-            k_cache[layer][torch.tensor(new[pool.group_of_layer[layer]])] = k[layer][start:][:n]
-        step = SeqStep(0, 0, start, n, total, bounded)
-        rows = method.score_rows(step)
-        asked.append(rows)
-        scores = {}
-        if rows:
-            for layer in range(layers):
-                window = q[layer][step.end - rows : step.end]  # the newest `rows` queries
-                scores[layer] = [attention_mass(window, kv.keys(0, layer), SCALE)]
-        peaks.append([kv.resident(0, layer) for layer in range(layers)])
-        method.after_step([step], scores, kv)
-        start += n
-    kept = [kv.logical_positions(0, pool.group_of_layer[la]).tolist() for la in range(layers)]
-    return kept, asked, peaks
+    return run_hooks(method, q, k, chunks, SCALE, bounded)
 
 
 # (prompt chunks): the window inside the last chunk; the window split over the last two
