@@ -216,3 +216,16 @@ def test_engine_layer0_selection_is_the_reference(model, recorded):
     ref, gap = ref_bounded_snapkv(q, k, chunks, BUDGET, 4, 8, 8, 1, scale)
     assert gap > 1e-5, "near-tie at a cut: the engine may choose either"
     assert kept == ref
+
+
+def test_bounded_sequences_survive_preemption(model):
+    """Two bounded prompts in a pool that cannot hold both at budget + chunk: one is
+    preempted, prefills again (bounded again) and both finish."""
+    llm = LLM(model, sparse_method="snapkv", bounded_prefill="on", num_kv_slots=60, **SMALL)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    other = [1] + [(11 * i + 7) % 240 + 3 for i in range(240)]
+    outs = llm.generate([PROMPT, other], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [20, 20]
+    stats = llm.stats()
+    assert stats["num_preemptions"] >= 1
+    assert stats["kv_slots_peak"] <= 60
