@@ -18,6 +18,7 @@ from sparsevllm.kv.names import FORMAT_NAMES, check_format_name
 from sparsevllm.sparse.choice import MethodChoice
 from sparsevllm.sparse.registry import (
     all_knob_names,
+    all_specs,
     canonical_method_name,
     method_spec,
     resolve_prefill_policy,
@@ -26,6 +27,7 @@ from sparsevllm.sparse.registry import (
 from sparsevllm.sparse.spec import SHARED_DEFAULTS, MethodKnobs, NoKnobs, SettingValue
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+BOUNDED_PREFILL = ("off", "auto", "on")
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 
 # Help text for every field; the CLI builds its flags from this table.
@@ -78,6 +80,15 @@ FIELD_HELP: dict[str, str] = {
     "the registry; a contradicting choice is an error).",
     "long_prefill_offload_threshold": "long_bs1full_short_batch: prompts with more residual "
     "tokens than this prefill alone, in one full step.",
+    "bounded_prefill": "Bounded-memory prefill for the eviction methods that can do it "
+    "(`sparsevllm methods` lists them): a prompt's KV is cut back to the budget between "
+    "prefill chunks, so a prompt of any length holds at most budget + chunk_prefill_size "
+    "tokens per layer and admission counts that, not the prompt. off; on (every prompt); "
+    "auto (prompts longer than bounded_prefill_threshold, or whose full KV would not fit "
+    "the pool). The selection then depends on where chunks end; a budget covering the "
+    "prompt evicts nothing (see docs/methods.md#bounded-memory-prefill).",
+    "bounded_prefill_threshold": "bounded_prefill auto: prompts longer than this many tokens "
+    "prefill bounded (shorter ones too when their full KV would not fit the pool).",
     "enable_prefix_caching": "Keep state across requests: a radix prefix cache or, for "
     "eviction methods, the chain cache (default: on).",
     "prefix_cache_mode": "auto (by the registry), radix (dense/logical methods) or chain "
@@ -139,6 +150,8 @@ class EngineConfig:
     sparse_methods: tuple[str, ...] = ()
     prefill_policy: str | None = None
     long_prefill_offload_threshold: int = 65536
+    bounded_prefill: str = "off"
+    bounded_prefill_threshold: int = 65536
     enable_prefix_caching: bool | None = None
     prefix_cache_mode: str = "auto"
     cpu_offload_gb: float = 0.0
@@ -214,8 +227,24 @@ class EngineConfig:
             )
         for name in self.served_methods:
             resolve_prefill_policy(name, self.prefill_policy)
+        self._validate_bounded_prefill()
         self._validate_kv_format()
         self._validate_prefix_caching()
+
+    def _validate_bounded_prefill(self) -> None:
+        """Every served method must be able to cut between chunks (its class says so)."""
+        _check_choice("bounded_prefill", self.bounded_prefill, BOUNDED_PREFILL)
+        _check_positive_int("bounded_prefill_threshold", self.bounded_prefill_threshold)
+        if self.bounded_prefill == "off":
+            return
+        unable = [n for n in self.served_methods if not method_spec(n).bounded_prefill]
+        if unable:
+            able = [s.name for s in all_specs() if s.bounded_prefill]
+            raise ValueError(
+                f"bounded_prefill {self.bounded_prefill!r}: {', '.join(unable)} cannot cut "
+                f"its KV between prefill chunks; the methods that can: {', '.join(able)} "
+                "(or bounded_prefill 'off')"
+            )
 
     def _validate_kv_format(self) -> None:
         _check_type("kv_cache_dtype", self.kv_cache_dtype, str)

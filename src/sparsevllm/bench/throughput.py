@@ -214,6 +214,7 @@ def report(
         "sparse_method": llm.config.sparse_method,
         "knobs": runner.method.knob_values(),
         "prefill_policy": engine.prefill_policy,
+        "bounded_prefill": llm.config.bounded_prefill,
         "chunk_prefill_size": llm.config.chunk_prefill_size,
         "cuda_graphs": runner.graphs is not None,
         "async_scheduling": engine.async_scheduling,

@@ -37,6 +37,9 @@ class CapacityPlan:
     # Prefill policy long_bs1full_short_batch: a request with more uncomputed tokens than
     # this prefills alone, in one step (None: every prefill is chunked).
     solo_prefill_threshold: int | None
+    # EngineConfig.bounded_prefill ("off", "auto", "on") and its auto threshold.
+    bounded_prefill: str = "off"
+    bounded_prefill_threshold: int = 65536
 
     @classmethod
     def derive(cls, config: EngineConfig, max_model_len: int, prefill_policy: str) -> CapacityPlan:
@@ -47,7 +50,21 @@ class CapacityPlan:
             max_num_batched_tokens=config.max_num_batched_tokens,
             chunk_prefill_size=config.chunk_prefill_size,
             solo_prefill_threshold=config.long_prefill_offload_threshold if solo else None,
+            bounded_prefill=config.bounded_prefill,
+            bounded_prefill_threshold=config.bounded_prefill_threshold,
         )
+
+    def bounds_prefill(self, can_bound: bool, prompt_len: int, full_need: int, slots: int) -> bool:
+        """Whether a request's prefill is bounded (its method cuts the KV between chunks):
+        never for a method that cannot (`can_bound`); always under "on"; under "auto" when
+        the prompt is longer than the threshold or its unbounded peak (`full_need` slots
+        per layer) exceeds the pool's `slots`. A bounded prompt is always chunked (never
+        prefilled alone in one full step, whatever the prefill policy)."""
+        if not can_bound or self.bounded_prefill == "off":
+            return False
+        if self.bounded_prefill == "on":
+            return True
+        return prompt_len > self.bounded_prefill_threshold or full_need > slots
 
     @property
     def max_step_tokens(self) -> int:

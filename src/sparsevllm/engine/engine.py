@@ -172,15 +172,40 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         choice = self.method_choice(prompt_ids, params)
-        need = self.methods.instance(choice).max_resident(n, params.max_tokens)
+        need = self.peak_resident(choice, n, params.max_tokens)
         if need > self.pool.num_slots:
+            method = self.methods.instance(choice)
+            hint = ""
+            if method.bounded_prefill and self.capacity.bounded_prefill == "off":
+                hint = (
+                    f" (with bounded_prefill 'auto' or 'on', {choice.sparse_method} would cut "
+                    "the prompt's KV between chunks and need about "
+                    f"{method.bounded_resident(n, params.max_tokens)})"
+                )
             raise ValueError(
                 f"request needs up to {need} KV slots per layer but the pool holds only "
-                f"{self.pool.num_slots}; raise num_kv_slots / kv_cache_memory_gb or lower max_tokens"
+                f"{self.pool.num_slots}; raise num_kv_slots / kv_cache_memory_gb or lower "
+                f"max_tokens{hint}"
             )
         if params.structured_outputs is not None:  # compiled now (and cached) or refused
             self.grammars.check(params.structured_outputs)
         return choice
+
+    def bounds_prefill(self, choice: MethodChoice, prompt_len: int, max_tokens: int) -> bool:
+        """Whether the request's prefill is bounded (EngineConfig.bounded_prefill): its
+        method then cuts the KV between prompt chunks (`SeqStep.bounded`)."""
+        method = self.methods.instance(choice)
+        full = method.max_resident(prompt_len, max_tokens)
+        return self.capacity.bounds_prefill(
+            method.bounded_prefill, prompt_len, full, self.pool.num_slots
+        )
+
+    def peak_resident(self, choice: MethodChoice, prompt_len: int, max_tokens: int) -> int:
+        """The most KV slots per layer the request can hold (what admission checks)."""
+        method = self.methods.instance(choice)
+        if self.bounds_prefill(choice, prompt_len, max_tokens):
+            return method.bounded_resident(prompt_len, max_tokens)
+        return method.max_resident(prompt_len, max_tokens)
 
     def add_request(
         self,
@@ -206,6 +231,7 @@ class LLMEngine:
         seq = Sequence(seq_id, request_id, ids, params, frozenset(self.eos_token_ids), text)
         seq.chain_id, seq.chain_status = claim.chain_id, claim.status
         seq.method = choice
+        seq.bounded_prefill = self.bounds_prefill(choice, len(ids), params.max_tokens)
         self.methods.bind(seq_id, choice)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.new_state(params.structured_outputs)
@@ -331,6 +357,7 @@ class LLMEngine:
             "kv_slots_used": self.pool.num_used,
             "kv_slots_peak": self.pool.peak_used,
             "kv_slots_used_per_layer": self.pool.used_per_layer(),
+            "kv_slots_peak_per_layer": self.pool.peak_used_per_layer(),
             "kv_bytes_per_slot": self.runner.kv_bytes_per_slot,
             "kv_cache_dtype": self.runner.kv_format.name,
             "num_preemptions": st.num_preemptions,

@@ -176,6 +176,13 @@ class KVPool:
             self._alloc[self.group_of_layer[layer]].num_used for layer in range(self.num_layers)
         ]
 
+    def peak_used_per_layer(self) -> list[int]:
+        """The most slots each layer's group has held at once since the last reset (a step
+        allocates before its method evicts: the peak includes the step's new tokens)."""
+        return [
+            self._alloc[self.group_of_layer[layer]].peak_used for layer in range(self.num_layers)
+        ]
+
     def reset_peak(self) -> None:
         for a in self._alloc:
             a.peak_used = a.num_used

@@ -301,7 +301,12 @@ class ModelRunner:
         steps = [
             SeqStep(*fields)
             for fields in zip(
-                plan.seq_ids, range(plan.num_seqs), plan.starts, plan.num_new, plan.num_prompt
+                plan.seq_ids,
+                range(plan.num_seqs),
+                plan.starts,
+                plan.num_new,
+                plan.num_prompt,
+                plan.bounded,
             )
         ]
         methods = self.methods.for_step(steps)

@@ -160,6 +160,8 @@ class Scheduler:
         limit = self.solo_prefill_threshold
         if limit is None or (seq.method is not None and not seq.method.solo_prefill):
             return False  # its method prefills every prompt in chunks
+        if seq.bounded_prefill:
+            return False  # cut between chunks: a full step would hold the whole prompt
         return seq.num_uncomputed_tokens > limit
 
     def _schedule_solo(self, out: SchedulerOutput) -> bool:

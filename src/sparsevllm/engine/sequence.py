@@ -63,6 +63,9 @@ class Sequence:
     parked: bool = False  # finished, its state kept as an idle chain
     grammar: GrammarState | None = None  # structured outputs: advanced with each token
     method: MethodChoice | None = None  # the sparse method serving it (None: the engine's)
+    # Its method cuts the KV between prompt chunks (EngineConfig.bounded_prefill): always
+    # chunked, counted by admission at budget + chunk per layer.
+    bounded_prefill: bool = False
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property

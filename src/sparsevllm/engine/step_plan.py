@@ -42,6 +42,7 @@ class StepPlan:
     starts: list[int]
     num_new: list[int]
     num_prompt: list[int]
+    bounded: list[bool]  # each sequence's prefill is bounded (SeqStep.bounded)
     q_starts: list[int]  # [S + 1]
     input_ids: list[int]  # [T]; zeros where the ids are on the device (`ids_on_device`)
     ids_on_device: bool
@@ -95,6 +96,7 @@ def plan_step(sched: SchedulerOutput, pool: KVPool, rows: SlotRows) -> StepPlan:
         starts=[s.start for s in scheduled],
         num_new=counts,
         num_prompt=[s.seq.num_prompt_tokens for s in scheduled],
+        bounded=[s.seq.bounded_prefill for s in scheduled],
         q_starts=q_starts,
         input_ids=ids,
         ids_on_device=ahead,

@@ -82,6 +82,9 @@ class AdaKV(SnapKV):
     name = "adakv"
     knobs: AdaKVKnobs
     decode_views = DecodeViews.EAGER
+    # Its cut keeps per-head counts that decode reads through select_views; cutting
+    # between chunks is not defined for it (yet).
+    bounded_prefill = False
 
     def __init__(
         self,
@@ -153,6 +156,7 @@ class AdaKV(SnapKV):
 
     def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
         # Compacted by someone else (pruning): the rows no longer match; read them all.
+        super().on_compressed(seq_id, layer, keep)
         self._rows.get(seq_id, {}).pop(layer, None)
 
     def release(self, seq_id: int) -> None:

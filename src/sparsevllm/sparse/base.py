@@ -8,6 +8,10 @@ The host (runner, scheduler) asks a method what it needs and never which method 
 - `layer_groups`: which managed layers share one slot table (dense storage: one
   group; per-layer or per-head eviction: one group per layer).
 - `max_resident`: worst-case resident slots per layer of a request, for admission.
+- `bounded_prefill` / `bounded_resident`: whether the method can compact between prompt
+  chunks of a sequence whose prefill the engine bounds (`SeqStep.bounded`,
+  EngineConfig.bounded_prefill), and the residency admission then counts (about budget +
+  chunk per layer, whatever the prompt's length).
 - `score_rows`: how many of a sequence's newest query rows should report their
   attention probabilities this step (observation windows, H2O, TOVA, OmniKV): a method
   answers `decode_score_rows` for a decode row (one generated token; the same answer
@@ -83,6 +87,9 @@ class SeqStep:
     start: int  # first logical position computed in this step
     num_new: int
     prompt_len: int
+    # The engine bounds this sequence's prefill: its method (one with `bounded_prefill`)
+    # cuts the resident KV back between prompt chunks, not only at the prompt's end.
+    bounded: bool = False
 
     @property
     def end(self) -> int:
@@ -205,6 +212,10 @@ class SparseMethod:
     # methods): its `keep` then applies to each pool group of its group. False for a
     # method whose state is keyed by the slot ids of one layer standing for its group.
     finer_groups_ok: ClassVar[bool] = True
+    # Whether the method can compact between the prompt chunks of a bounded sequence
+    # (`SeqStep.bounded`), so that its peak residency is `bounded_resident`, not the
+    # prompt's length (MethodSpec.bounded_prefill reads it; config validation asks it).
+    bounded_prefill: ClassVar[bool] = False
 
     knobs: MethodKnobs  # the method's own knobs dataclass (validated with the config)
 
@@ -240,6 +251,11 @@ class SparseMethod:
     def max_resident(self, prompt_len: int, max_tokens: int) -> int:
         """Worst-case resident slots per layer over the request's life."""
         return prompt_len + max_tokens
+
+    def bounded_resident(self, prompt_len: int, max_tokens: int) -> int:
+        """`max_resident` of a request whose prefill is bounded (asked only of a method
+        with `bounded_prefill`: the engine never bounds another's)."""
+        return self.max_resident(prompt_len, max_tokens)
 
     def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
         """Resident slots per layer once prefill is over (what a decoding request holds

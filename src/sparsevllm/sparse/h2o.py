@@ -7,6 +7,15 @@ holds more than `h2o_decode_budget + h2o_decode_eviction_interval` tokens in a l
 the layer is cut back to the budget: sink + recent + the highest cumulative scores, per
 KV head. The scores follow the compaction, so the state stays aligned with the
 resident rows.
+
+Bounded prefill (`SeqStep.bounded`, EngineConfig.bounded_prefill): at the end of every
+prompt chunk but the last, a layer holding more than the budget B is cut back to B by
+the same rule, with the cumulative scores so far (every query of every chunk up to this
+one, over the tokens resident when it ran): H2O's own greedy eviction, applied per chunk
+instead of per token. A chunk of C tokens then peaks at B + C per layer; the prompt's
+end and decode are unchanged. When B covers the prompt nothing is cut and the tokens
+equal unbounded prefill's; otherwise a token evicted early never collects the votes of
+later queries, so the selection depends on where chunks end.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ class H2OKnobs(MethodKnobs):
 class H2O(IntervalEviction):
     name = "h2o"
     knobs: H2OKnobs
+    bounded_prefill = True
 
     def __init__(
         self,

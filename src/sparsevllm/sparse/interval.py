@@ -1,7 +1,9 @@
 """Eviction in bursts during decode: a layer may grow `interval` tokens past its budget
 before the method compresses it back (H2O, R-KV). A prompt is selected from once, at its
 end, whatever its chunking (a method defined over the whole prompt must not depend on
-chunk_prefill_size); only its generated tokens are evicted in bursts."""
+chunk_prefill_size); only its generated tokens are evicted in bursts. A subclass with
+`bounded_prefill` also cuts a bounded sequence's prompt after every chunk but the last
+(ScoreEviction.cuts_chunk)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,15 @@ class IntervalEviction(ScoreEviction):
         bound = max(prompt_len + chunk, self.budget + self.interval + chunk)
         return min(prompt_len + max_tokens, bound)
 
+    def bounded_resident(self, prompt_len: int, max_tokens: int) -> int:
+        # Cut back to the budget after every chunk (bounded_prefill subclasses): a chunk
+        # peaks at budget + chunk, below decode's budget + interval (+ a chunk after a
+        # preemption).
+        chunk = self.config.chunk_prefill_size
+        return min(prompt_len + max_tokens, self.budget + self.interval + chunk)
+
     def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
-        if step.finishes_prompt:
+        if step.finishes_prompt or self.cuts_chunk(step):
             return resident > self.budget
         # Mid-prompt chunks only vote: the selection happens once, at the prompt's end.
         return step.is_decode and resident > self.budget + self.interval

@@ -255,6 +255,7 @@ def methods_table() -> list[dict[str, object]]:
                 "name": s.name,
                 "family": s.family,
                 "prefill_policy": s.prefill_policy,
+                "bounded_prefill": s.bounded_prefill,
                 "aliases": aliases_of(s.name),
                 "knobs": knobs,
                 "budget_knob": s.budget_knob,

@@ -1,6 +1,12 @@
 """`ScoreEviction`: the shared selection of score-based eviction methods (score every
 resident token per KV head, keep sink + the top-scoring middle + recent), and the score
-helpers they share (GQA head averaging, accumulating scores over growing views)."""
+helpers they share (GQA head averaging, accumulating scores over growing views, keeping
+per-query-head scores aligned with a per-KV-head compaction).
+
+A subclass that declares `bounded_prefill` is also cut back to its budget at the end of
+every prompt chunk of a bounded sequence (`SeqStep.bounded`) but the last, once a layer
+holds more than the budget: before each chunk a layer then holds at most its budget, so
+its peak is budget + chunk (`bounded_resident`). Its `score` says what votes then."""
 
 from __future__ import annotations
 
@@ -22,6 +28,18 @@ def add_padded(acc: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     out = new.float().clone()
     out[:, : acc.shape[-1]] += acc
     return out
+
+
+def follow_keep(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per-query-head scores `[num_heads, L]` after a compaction that kept `keep`
+    (`[num_kv_heads, B]` view positions): `[num_heads, B]`, each query head following its
+    KV head's selection. Positions past L (tokens newer than the scores) score 0."""
+    h, length = scores.shape
+    keep = keep.to(scores.device).long()
+    width = max(length, int(keep.max()) + 1) if keep.numel() else length
+    padded = torch.nn.functional.pad(scores, (0, width - length))  # [H, width]
+    index = keep.repeat_interleave(h // keep.shape[0], dim=0)  # [H, B]
+    return padded.gather(1, index)
 
 
 def select_keep(scores: torch.Tensor, budget: int, sink: int, recent: int) -> torch.Tensor:
@@ -59,15 +77,29 @@ class ScoreEviction(SparseMethod):
     def may_compress(self, step: SeqStep) -> bool:
         """Cheap per-step test before `should_compress` is asked for every layer (a decode
         step of a large batch would otherwise cost num_seqs x num_layers calls)."""
-        return step.finishes_prompt
+        return step.finishes_prompt or self.cuts_chunk(step)
 
     def should_compress(self, step: SeqStep, resident: int, layer: int) -> bool:
-        return step.finishes_prompt and resident > self.layer_budget(layer)
+        cuts = step.finishes_prompt or self.cuts_chunk(step)
+        return cuts and resident > self.layer_budget(layer)
+
+    def cuts_chunk(self, step: SeqStep) -> bool:
+        """A prompt chunk before the last of a bounded sequence: its end cuts every layer
+        above its budget back to it (methods with `bounded_prefill` only)."""
+        return self.bounded_prefill and step.bounded and step.end < step.prompt_len
 
     def max_resident(self, prompt_len: int, max_tokens: int) -> int:
         # The whole prompt is resident until prefill ends; then budget + generated tokens.
         budget = max(self.layer_budget(layer) for layer in self.layers)
         return max(prompt_len, min(prompt_len, budget) + max_tokens)
+
+    def bounded_resident(self, prompt_len: int, max_tokens: int) -> int:
+        # Before every chunk a layer holds at most its budget (cut at the previous chunk's
+        # end), so a chunk of at most chunk_prefill_size peaks at budget + chunk; then
+        # budget + generated tokens, as unbounded.
+        budget = max(self.layer_budget(layer) for layer in self.layers)
+        peak = min(prompt_len, budget + self.config.chunk_prefill_size)
+        return max(peak, min(prompt_len, budget) + max_tokens)
 
     def decode_resident(self, prompt_len: int, max_tokens: int) -> int:
         budget = max(self.layer_budget(layer) for layer in self.layers)

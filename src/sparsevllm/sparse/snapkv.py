@@ -9,6 +9,27 @@ in all. Decode tokens are appended without further eviction.
 Window queries may fall in several prefill chunks; their probabilities are summed as
 the chunks run (a query's causal mask only sees keys that exist when it runs), so the
 result does not depend on the chunk size.
+
+Bounded prefill (`SeqStep.bounded`, EngineConfig.bounded_prefill): a prompt of N tokens
+runs with at most B + C resident tokens per layer (B the layer's budget, C
+`chunk_prefill_size`), for any N. With w = `snapkv_window_size`, the prompt's
+observation window is its last w queries, positions [N - w, N). Per layer:
+
+1. A chunk [s, e) with e > N - w adds the probabilities of its queries in the window to
+   the layer's window votes, as above.
+2. At the end of a chunk with e < N (not the prompt's last) a layer holding more than B
+   tokens is cut to B: sink + recent + the top of the middle, per KV head, by the pooled
+   votes of (a) the chunk's last min(w, e - s) queries (a moving observation window:
+   the only queries there are then) if e <= N - w, or (b) the window votes so far if the
+   chunk reaches into the window. The window votes follow the cut (each query head's
+   votes gathered by its KV head's kept positions).
+3. At the chunk with e = N, the selection above (its window votes over what is resident).
+
+A layer then holds at most B before each chunk. Chunks are cut only where a layer holds
+more than B after them, so when B covers the prompt nothing is evicted and the tokens
+equal unbounded prefill's; when no chunk before the last crosses B, only step 3 selects,
+exactly as unbounded. Otherwise the selection depends on where chunks end (they end at
+multiples of chunk_prefill_size unless the step's token budget cuts one short).
 """
 
 from __future__ import annotations
@@ -21,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsevllm.sparse.base import KVAccess, MethodSettings, RowScores, SeqStep
-from sparsevllm.sparse.score_eviction import ScoreEviction, add_padded, gqa_mean
+from sparsevllm.sparse.score_eviction import ScoreEviction, add_padded, follow_keep, gqa_mean
 from sparsevllm.sparse.spec import SHARED_BUDGET, MethodKnobs, MethodSpec, knob
 
 
@@ -38,6 +59,7 @@ class SnapKVKnobs(MethodKnobs):
 class SnapKV(ScoreEviction):
     name = "snapkv"
     knobs: SnapKVKnobs
+    bounded_prefill = True
 
     def __init__(
         self,
@@ -50,16 +72,26 @@ class SnapKV(ScoreEviction):
         # seq_id -> layer -> [num_heads, L] window attention summed so far
         self._window: dict[int, dict[int, torch.Tensor]] = {}
 
+    def in_window(self, step: SeqStep) -> bool:
+        """The step computes some of the prompt's last `snapkv_window_size` queries."""
+        return step.end > step.prompt_len - self.knobs.snapkv_window_size
+
     def prefill_score_rows(self, step: SeqStep) -> int:
-        window_start = step.prompt_len - self.knobs.snapkv_window_size
-        if step.is_decode or step.end <= window_start:
+        if step.is_decode:
             return 0
-        return step.end - max(step.start, window_start)
+        if self.in_window(step):
+            return step.end - max(step.start, step.prompt_len - self.knobs.snapkv_window_size)
+        # A bounded chunk that may be cut (a layer holds at most step.end tokens): its last
+        # queries are the moving observation window (rule 2a of the module docstring).
+        smallest = min(self.layer_budget(layer) for layer in self.layers)
+        if self.cuts_chunk(step) and step.end > smallest:
+            return min(self.knobs.snapkv_window_size, step.num_new)
+        return 0
 
     def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
         for step in steps:
-            if self.score_rows(step) == 0:
-                continue
+            if self.score_rows(step) == 0 or not self.in_window(step):
+                continue  # a moving window's votes serve its own chunk's cut only
             acc = self._window.setdefault(step.seq_id, {})
             for layer, rows in scores.items():
                 attn = rows[step.row]  # [num_heads, L] of this chunk's window queries
@@ -73,8 +105,18 @@ class SnapKV(ScoreEviction):
     def score(
         self, layer: int, step: SeqStep, kv: KVAccess, attn: torch.Tensor | None
     ) -> torch.Tensor:
-        window = self._window[step.seq_id][layer]  # [num_heads, L]
-        return snapkv_scores(window, self.num_kv_heads, self.knobs.snapkv_pool_kernel_size)
+        if self.in_window(step):
+            votes = self._window[step.seq_id][layer]  # [num_heads, L]
+        else:  # a bounded chunk before the window: its moving window's rows
+            assert attn is not None, "a bounded chunk is cut with the scores it asked for"
+            votes = attn  # [num_heads, L]
+        return snapkv_scores(votes, self.num_kv_heads, self.knobs.snapkv_pool_kernel_size)
+
+    def on_compressed(self, seq_id: int, layer: int, keep: torch.Tensor) -> None:
+        # A cut before the prompt's end: the window votes so far follow the kept tokens.
+        window = self._window.get(seq_id, {})
+        if layer in window:
+            window[layer] = follow_keep(window[layer], keep)
 
     def release(self, seq_id: int) -> None:
         self._window.pop(seq_id, None)

@@ -160,8 +160,9 @@ class MethodSpec:
     - `refused_layouts`: slot layouts (kv/layout.py: `gqa`, `mla_latent`) the method cannot
       serve, each with the reason; the engine refuses the method on such a model.
 
-    How the method uses decode views (`decode_views`) is read from its class, which
-    declares it beside the select_views it describes.
+    How the method uses decode views (`decode_views`) and whether it can bound a prompt's
+    prefill memory (`bounded_prefill`) are read from its class, which declares them beside
+    the hooks they describe.
     """
 
     name: str
@@ -200,6 +201,12 @@ class MethodSpec:
     def decode_views(self) -> DecodeViews:
         """`SparseMethod.decode_views` of the method's class."""
         return self.method.decode_views
+
+    @property
+    def bounded_prefill(self) -> bool:
+        """`SparseMethod.bounded_prefill` of the method's class: it can compact between
+        prompt chunks (EngineConfig.bounded_prefill)."""
+        return self.method.bounded_prefill
 
     @property
     def settings(self) -> tuple[str, ...]:
