@@ -39,11 +39,11 @@ quality_modes() {
 quality_formats() {
   # Issue 15's grid: Gemma-3-270M at 4K, niah_single and niah_multikey, vanilla and SnapKV
   # at ratio 0.75, one report per KV storage format (each resumes from its records).
-  [ -f /tmp/g/gemma-3-270m-q4_k_m.gguf ] || cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf
+  [ -f /tmp/g/gemma-3-270m-q4_k_m.gguf ] || cat /tmp/g/a0 /tmp/g/b? > /tmp/g/gemma-3-270m-q4_k_m.gguf
   for f in ${FORMATS:-auto fp8_e4m3 int8 int4 int2}; do
     PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
        --model /tmp/g/gemma-3-270m-q4_k_m.gguf --tasks niah_single,niah_multikey \
-       --lengths 4096 --samples 20 --methods snapkv --ratios 0.75 --kv-cache-dtype "$f" \
+       --lengths 4096 --samples 20 --methods vanilla,snapkv --ratios 0.75 --kv-cache-dtype "$f" \
        --max-num-seqs 64 --enforce-eager --no-progress \
        --json "$OUT/quality_gemma3_270m_4k_kv_$f.json" > "$OUT/quality_kv_$f.log" 2>&1
     tail -12 "$OUT/quality_kv_$f.log"
