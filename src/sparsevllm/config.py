@@ -67,6 +67,8 @@ FIELD_HELP: dict[str, str] = {
     "(each sequence's KV spread over the pool; on the H200 the whole engine decoded "
     "64 x 8K 2% slower and prefilled slower with it).",
     "enforce_eager": "Disable CUDA-graph capture of the decode step.",
+    "measure_kv_reads": "Count the KV slots decode steps read (bench throughput's roofline; "
+    "a few small device operations per layer for methods that select decode views).",
     "async_scheduling": "Overlap the host's per-step work with the device: launch the next "
     "steady decode step before the current one's tokens reach the host (same outputs). "
     "Unset: on with CUDA, off on CPU (where nothing runs concurrently with the host, and "
@@ -145,6 +147,7 @@ class EngineConfig:
     kv_quant_residual: int = 128
     kv_slot_order: str = "sequential"
     enforce_eager: bool = False
+    measure_kv_reads: bool = False
     async_scheduling: bool | None = None
     sparse_method: str = "vanilla"
     sparse_methods: tuple[str, ...] = ()
@@ -187,6 +190,7 @@ class EngineConfig:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("kv_slot_order", self.kv_slot_order, ("sequential", "shuffled"))
         _check_type("enforce_eager", self.enforce_eager, bool)
+        _check_type("measure_kv_reads", self.measure_kv_reads, bool)
         if self.async_scheduling is not None:
             _check_type("async_scheduling", self.async_scheduling, bool)
         if self.calibration_dir is not None:

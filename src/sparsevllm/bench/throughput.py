@@ -2,8 +2,11 @@
 
 Requests of `--prompt-len` random tokens are submitted at once and the engine is
 stepped by hand, so prefill steps and pure-decode steps are timed separately. The
-decode roofline of a step is (weight bytes + KV bytes resident in the pool) divided
-by the device's copy bandwidth, measured in the same run.
+decode roofline of a step is (weight bytes + the KV bytes the step reads) divided by the
+device's copy bandwidth, measured in the same run. The KV read is counted by the engine
+(`measure_kv_reads`, engine/kv_reads.py): every sequence's view in every layer, less
+what a method's decode selection skips; the bytes resident in the pool (prefixes cached
+for later requests included) are reported beside it.
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ def run_engine(
         copy_s = time.perf_counter() - start
     rest = SamplingParams(temperature=0.0, max_tokens=max(1, output_len - 1), ignore_eos=True)
     rids = [engine.add_request(r.tokens, rest, chain_id=r.chain_id) for r in resends]
+    meter = engine.runner.kv_reads
+    if meter is not None:
+        meter.reset()
     finals, decode_s, decode_times, kv = _drain(engine, device)
     done = {o.request_id: o for o in finals}
     return {
@@ -111,6 +117,8 @@ def run_engine(
         "copy_s": copy_s,
         "decode_step_times": decode_times,
         "kv_layer_slots": kv,
+        # Slots the decode steps read, per step and summed over layers (None: not measured).
+        "kv_read_slots": meter.slots_read() / meter.steps if meter and meter.steps else None,
         "ttft": [o.metrics["time_to_first_token"] for o in outs],
         "cached_tokens": sum(o.num_cached_tokens for o in finals),
         "scoring": scoring,
@@ -143,6 +151,7 @@ def build_llm(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> LLM:
     if args.model_config:
         model = write_model_config(args.model_config)
         engine_kwargs.setdefault("load_format", "dummy")
+    engine_kwargs["measure_kv_reads"] = True  # the roofline's KV bytes: always counted here
     args._model_dir = model if model and os.path.isdir(model) else None  # for kvpress
     args._model_name = args.model_config or model
     llm = LLM(model, **engine_kwargs)
@@ -196,7 +205,11 @@ def report(
     steps = run["decode_step_times"][1:] or run["decode_step_times"]  # first one warms up
     step = statistics.median(steps) if steps else float("nan")
     per_layer_bytes = runner.kv_bytes_per_slot // runner.num_layers
-    kv_read = statistics.median(run["kv_layer_slots"]) * per_layer_bytes if steps else 0
+    kv_resident = statistics.median(run["kv_layer_slots"]) * per_layer_bytes if steps else 0
+    # The roofline counts what the steps read (whole views or a method's selection), not
+    # what is resident (cached prefixes of finished requests, skipped tokens).
+    read = run["kv_read_slots"]
+    kv_read = read * per_layer_bytes if read is not None else kv_resident
     weights = weight_bytes_per_step(runner.model, batch)
     roofline = (weights + kv_read) / bandwidth
     ttft = run["ttft"]
@@ -237,7 +250,9 @@ def report(
         "device_bandwidth_bytes_per_s": bandwidth,
         "weight_bytes_per_step": weights,
         "moe": moe_report(runner.model, batch),
+        "kv_bytes_resident_per_step": kv_resident,
         "kv_bytes_read_per_step": kv_read,
+        "kv_reads_measured": read is not None,
         "roofline_step_s": roofline,
         "roofline_fraction": roofline / step if steps else None,
         "total_s": run["total_s"],

@@ -88,7 +88,7 @@ class DecodeGraphs:
                 method_ids_t=self.method_ids[:size],
                 shared_scores=r.methods.mixed,
                 # Methods whose decode views are graph-safe compute them inside the graph.
-                select_views=r.methods.graph_views(self.method_ids[:size]),
+                select_views=r.metered(r.methods.graph_views(self.method_ids[:size])),
                 capturing=True,
             ),
         )

@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol, cast
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch, backend_for, default_backend_name
-from sparsevllm.attention.sparse_step import SparseStep
+from sparsevllm.attention.sparse_step import SelectViews, SparseStep
 from sparsevllm.calibration.identity import model_identity
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.capacity import CapacityPlan
@@ -21,6 +21,7 @@ from sparsevllm.engine.grammar_mask import grammar_bitmask
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.kv_layout import KVLayout
 from sparsevllm.engine.kv_pool import KVPool, WindowGroup
+from sparsevllm.engine.kv_reads import KVReadMeter
 from sparsevllm.engine.kv_seal import KVSealer
 from sparsevllm.engine.method_set import MethodSet, StepMethods
 from sparsevllm.engine.scoring_pass import ScoringPasses
@@ -126,6 +127,7 @@ class ModelRunner:
         self._encode = encoder_of(source)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator | None] = {}
+        self.kv_reads: KVReadMeter | None = None  # bind_pool makes one when asked
         logger.info(
             "KV pool: %d slots/layer x %d layers (%.2f GiB, kv_cache_dtype %s, %s on %s)",
             self.num_slots,
@@ -287,6 +289,8 @@ class ModelRunner:
             self.device,
         )
         self.methods.attach(self.kv)
+        meter = cfg.measure_kv_reads
+        self.kv_reads = KVReadMeter(pool.group_of_layer, self.device) if meter else None
         self.graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.graph_safe:
             graphs = DecodeGraphs(self, self.capacity.graph_max_batch)
@@ -344,13 +348,19 @@ class ModelRunner:
                 row_score_layers=row_layers,
                 method_ids_t=t.methods,
                 shared_scores=methods.mixed,
-                select_views=methods.select_views(t.methods),
+                select_views=self.metered(methods.select_views(t.methods)),
                 query_rows=query_rows,
                 observe_queries=methods.query_observer(steps, query_rows),
             ),
         )
         methods.begin_step(batch)
+        if self.kv_reads is not None:
+            self.kv_reads.count_step(steps, plan.view_lens)
         return batch, t.input_ids, steps, methods
+
+    def metered(self, select: SelectViews | None) -> SelectViews | None:
+        """`select`, counting what it leaves out when KV reads are measured."""
+        return select if self.kv_reads is None else self.kv_reads.wrap(select)
 
     def _upload(
         self, plan: StepPlan, score_rows: list[int], decode: list[int], method_ids: list[int]
