@@ -56,8 +56,10 @@ def test_default_model_bfloat16_agrees_with_float32():
     Issue 23 asks for 19 of 20; bfloat16 gives 15 (2026-12-02): the misses are near-ties
     that bfloat16's rounding of weights, activations and KV flips, and the same 15 come
     out with plain `F.linear` instead of the packed weights, with a float32 residual
-    stream, or with a float32 LM head (docs/benchmarks/cpu/README.md). The bar here
-    guards today's agreement; the issue's 19 is not reached."""
+    stream, or with a float32 LM head (docs/benchmarks/cpu/README.md). Which near-ties
+    flip depends on the CPU's bfloat16 kernels: a machine without AVX512 gives 13, at
+    the session-13 commit as at today's. The bar guards that agreement; the issue's 19
+    is not reached."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outputs = {}
@@ -65,7 +67,7 @@ def test_default_model_bfloat16_agrees_with_float32():
         llm = LLM(dtype=dtype)
         outputs[dtype] = [o.token_ids for o in llm.chat(conversations, params, use_tqdm=False)]
     same = sum(a == b for a, b in zip(outputs["float32"], outputs["bfloat16"]))
-    assert same >= 14, f"{same} of 20 agree"
+    assert same >= 13, f"{same} of 20 agree"
 
 
 def test_a_bfloat16_engine_runs_whether_or_not_this_cpu_packs_weights(tiny_model_factory):
