@@ -2,7 +2,8 @@
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
-#          gguf-part | quality | quality-rerun | quality-modes | quality-formats | formats-kernels | formats-throughput
+#          gguf-part | quality | quality-rerun | quality-modes | quality-formats | formats-kernels | formats-throughput |
+#          capacity-methods | formats-capacity
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -168,6 +169,26 @@ PY
       for f in auto int8 fp8_e4m3; do
         python -m sparsevllm.bench.kernels --kv-cache-dtype $f --json "$OUT/kernels_$f.json" \
            | grep -iE "floor|decode|prefill" | head -12
+      done ;;
+    capacity-methods)
+      # Issue 18 item 3: every second-wave method's decode at 32K at its largest batch
+      # (decode-capacity mode: one prompt prefilled, its state copied), beside vanilla.
+      for m in vanilla kvzip expected_attention keydiff lagkv adakv duoattention rkv strided; do
+        $M --prompt-len 32768 --output-len 32 --max-model-len 32896 --max-batch \
+           --decode-capacity --max-num-seqs 512 --sparse-method $m --decode-keep-tokens 2048 \
+           --json "$OUT/capacity_32k_$m.json" > "$OUT/capacity_32k_$m.log" 2>&1 ||
+          echo "failed: $m"
+        grep -E '"(batch_size|decode_tokens_per_s|time_per_output_token_s)"' "$OUT/capacity_32k_$m.json"
+      done ;;
+    formats-capacity)
+      # Issue 15 item 4: SnapKV (2,048) in bf16 and int4, largest batch and batch 256.
+      for f in auto int4; do
+        $M --prompt-len 32768 --output-len 32 --max-model-len 32896 --max-batch \
+           --decode-capacity --max-num-seqs 1024 --sparse-method snapkv --decode-keep-tokens 2048 \
+           --kv-cache-dtype $f --json "$OUT/formats_32k_snapkv_${f}_max_cap.json" | tail -3
+        $M --prompt-len 32768 --output-len 32 --max-model-len 32896 --batch-size 256 \
+           --decode-capacity --max-num-seqs 256 --sparse-method snapkv --decode-keep-tokens 2048 \
+           --kv-cache-dtype $f --json "$OUT/formats_32k_snapkv_${f}_b256_cap.json" | tail -3
       done ;;
     formats-throughput)
       # Issue 15: the engine on each format: dense decode at 64 x 8K, and vanilla's largest
