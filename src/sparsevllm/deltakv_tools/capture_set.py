@@ -22,7 +22,7 @@ from sparsevllm.deltakv_tools.shards import (
 class SequenceData:
     """One stored sequence in memory: per layer keys, values `[T, Hkv, D]` (pre-RoPE)
     and queries `[Q, Hq, D]` (post-RoPE) in the storage dtype, the queries' positions
-    `[Q]` and the layer's RoPE frequencies `[D/2]` (None: no RoPE)."""
+    `[Q]`, the layer's RoPE frequencies `[D/2]` (None: no RoPE) and the token ids `[T]`."""
 
     ref: SequenceRef
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -30,6 +30,7 @@ class SequenceData:
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     query_positions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     rope: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,11 @@ class CaptureSet:
                     for layer in self.layout.layers
                 }
                 for ref in shard_refs:
-                    data = SequenceData(ref, query_positions=f.get_tensor(f"s{ref.index}.qpos"))
+                    data = SequenceData(
+                        ref,
+                        query_positions=f.get_tensor(f"s{ref.index}.qpos"),
+                        tokens=f.get_tensor(f"s{ref.index}.tokens"),
+                    )
                     for layer in self.layout.layers:
                         data.keys[layer] = f.get_tensor(f"s{ref.index}.k{layer}")
                         data.values[layer] = f.get_tensor(f"s{ref.index}.v{layer}")

@@ -201,7 +201,7 @@ def _capture(
             return True
         llm.generate([item.ids], params, use_tqdm=False)
         (record,) = method.take()
-        if not writer.add(item.key, item.source, record):
+        if not writer.add(item.key, item.source, record, item.ids):
             bar.close()
             return True
     return False

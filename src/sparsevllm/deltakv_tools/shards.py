@@ -4,7 +4,8 @@ A capture directory holds `manifest.json` and `shard-00000.safetensors`, ... Eac
 is self-contained: per sequence i (a global index) the tensors `s<i>.k<layer>` and
 `s<i>.v<layer>` (pre-RoPE keys and values `[T, Hkv, D]`), `s<i>.q<layer>` (post-RoPE
 queries `[Q, Hq, D]`) and `s<i>.qpos` (their positions `[Q]` int64), plus `rope<layer>`
-(`[D/2]` float32, the layer's RoPE frequencies); its metadata holds the layout and the
+(`[D/2]` float32, the layer's RoPE frequencies) and `s<i>.tokens` (the sequence's token
+ids `[T]` int32, to run it again); its metadata holds the layout and the
 sequences' keys, sources and lengths. The cap counts tensor bytes plus an allowance for
 every header, so the files together never exceed it.
 """
@@ -79,8 +80,13 @@ class SequenceRef:
     shard: str
 
 
-def _tensors_of(index: int, rec: CapturedSequence, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {f"s{index}.qpos": rec.query_positions.to(torch.int64)}
+def _tensors_of(
+    index: int, rec: CapturedSequence, ids: list[int], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {
+        f"s{index}.qpos": rec.query_positions.to(torch.int64),
+        f"s{index}.tokens": torch.tensor(ids, dtype=torch.int32),
+    }
     for layer in rec.keys:
         out[f"s{index}.k{layer}"] = rec.keys[layer].to(dtype).contiguous()
         out[f"s{index}.v{layer}"] = rec.values[layer].to(dtype).contiguous()
@@ -93,8 +99,8 @@ def estimate_bytes(layout: CaptureLayout, length: int, queries: int) -> int:
     item = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
     q = min(queries, length)
     per_layer = (2 * length * layout.num_kv_heads + q * layout.num_heads) * layout.head_dim
-    data = len(layout.layers) * per_layer * item + 8 * q
-    return data + _TENSOR_HEADER * (3 * len(layout.layers) + 1)
+    data = len(layout.layers) * per_layer * item + 8 * q + 4 * length
+    return data + _TENSOR_HEADER * (3 * len(layout.layers) + 2)
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -131,10 +137,13 @@ class ShardWriter:
     def _rope_bytes(self) -> int:
         return sum(4 * f.numel() + _TENSOR_HEADER for f in self._rope.values() if f is not None)
 
-    def add(self, key: str, source: str, rec: CapturedSequence) -> bool:
-        """Store one sequence; False (nothing stored) when it would pass the cap."""
+    def add(self, key: str, source: str, rec: CapturedSequence, ids: list[int]) -> bool:
+        """Store one sequence (its capture and token ids); False (nothing stored) when it
+        would pass the cap."""
+        if len(ids) != rec.length:
+            raise ValueError(f"{key}: {len(ids)} token ids for a {rec.length}-token capture")
         index = self._count
-        tensors = _tensors_of(index, rec, self._dtype)
+        tensors = _tensors_of(index, rec, ids, self._dtype)
         self._rope = rec.rope
         extra = _nbytes(tensors) + (0 if self._pending else self._rope_bytes() + _SHARD_HEADER)
         if self.bytes_used + extra > self.max_bytes:
