@@ -153,7 +153,10 @@ def _items(llm: LLM, s: CollectSettings) -> list[sources.TextItem]:
             tok, s.haystacks, s.haystack_length, s.haystack_samples, s.seed, s.max_tokens
         )
     items += sources.file_items(tok, s.files, s.max_tokens, s.min_tokens)
-    return [item for item in items if len(item.ids) >= s.min_tokens]
+    items = [item for item in items if len(item.ids) >= s.min_tokens]
+    if not items:
+        raise ValueError(f"the sources hold no sequence of --min-tokens ({s.min_tokens}) tokens")
+    return items
 
 
 def collect(s: CollectSettings, command: str) -> dict[str, object]:

@@ -210,7 +210,7 @@ def _step(run: Run) -> dict[str, float]:
     loss.backward()
     run.optimizer.step()
     n = len(spec.layers)
-    return {"loss": float(loss), **{k: v / n for k, v in parts.items()}}
+    return {"loss": float(loss.detach()), **{k: v / n for k, v in parts.items()}}
 
 
 def _record_validation(run: Run) -> dict[str, float]:
