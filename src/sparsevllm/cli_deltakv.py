@@ -193,7 +193,7 @@ def _add_train(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         default=[],
         metavar="R[,R...]",
         help="Latent width: one for every layer or one per compressed layer (default: "
-        "kv_dim / 8, kv_dim = 2 x KV heads x head dim).",
+        "kv_dim / 4, kv_dim = 2 x KV heads x head dim).",
     )
     shape.add_argument(
         "--hidden-dim",

@@ -51,7 +51,7 @@ INITS = ("pca", "random")
 class TrainSettings:
     data: Path
     out: Path
-    latent_dims: tuple[int, ...] = ()  # (): kv_dim // 8; one value: every layer
+    latent_dims: tuple[int, ...] = ()  # (): kv_dim // 4; one value: every layer
     hidden_dim: int = 0
     cluster_ratio: float = 0.1
     sink_tokens: int = 4
@@ -100,7 +100,7 @@ class TrainSettings:
 def build_spec(capture: CaptureSet, s: TrainSettings) -> DeltaKVSpec:
     lay = capture.layout
     kv_dim = 2 * lay.num_kv_heads * lay.head_dim
-    dims = s.latent_dims or (max(2, kv_dim // 8),)
+    dims = s.latent_dims or (max(2, kv_dim // 4),)
     if len(dims) == 1:
         dims = dims * len(lay.layers)
     if len(dims) != len(lay.layers):
