@@ -8,8 +8,8 @@ the definition, docs/deltakv/ the commands that made the committed compressors.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+import importlib
+from collections.abc import Callable
 
 _EXAMPLE = (
     "Example: sparsevllm deltakv collect --out data/smol --prompts prompts.txt "
@@ -67,7 +67,14 @@ def _add_collect(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         metavar="PATH",
         help="Model directory, .gguf file or config.json (default: the bundled default model).",
     )
-    src = p.add_argument_group("sources")
+    _collect_sources(p.add_argument_group("sources"))
+    _collect_storage(p.add_argument_group("what is kept"))
+    _collect_engine(p.add_argument_group("engine"))
+    p.add_argument("--no-progress", action="store_true", help="Hide the progress bars (stderr).")
+    p.set_defaults(func=_lazy("sparsevllm.deltakv_tools.collect"))
+
+
+def _collect_sources(src: argparse._ArgumentGroup) -> None:
     src.add_argument(
         "--prompts",
         metavar="FILE",
@@ -116,7 +123,9 @@ def _add_collect(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         metavar="FILE",
         help="Text files, each cut into windows of --max-tokens tokens (default: none).",
     )
-    cap = p.add_argument_group("what is kept")
+
+
+def _collect_storage(cap: argparse._ArgumentGroup) -> None:
     cap.add_argument(
         "--max-tokens",
         type=int,
@@ -155,7 +164,9 @@ def _add_collect(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         choices=("float16", "bfloat16", "float32"),
         help="Storage dtype of K, V and queries (default: float16).",
     )
-    eng = p.add_argument_group("engine")
+
+
+def _collect_engine(eng: argparse._ArgumentGroup) -> None:
     eng.add_argument(
         "--model-dtype",
         default="auto",
@@ -169,8 +180,6 @@ def _add_collect(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     eng.add_argument(
         "--seed", type=int, default=0, help="Seed of sampling and haystacks (default: 0)."
     )
-    p.add_argument("--no-progress", action="store_true", help="Hide the progress bars (stderr).")
-    p.set_defaults(func=run_collect)
 
 
 def _add_train(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -186,7 +195,14 @@ def _add_train(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     p.add_argument("--data", required=True, metavar="DIR", help="A capture directory.")
     p.add_argument("--out", required=True, metavar="DIR", help="Output directory (created).")
-    shape = p.add_argument_group("compressor (recorded in the checkpoint)")
+    _train_shape(p.add_argument_group("compressor (recorded in the checkpoint)"))
+    _train_optimisation(p.add_argument_group("optimisation"))
+    _train_run(p.add_argument_group("run"))
+    p.add_argument("--no-progress", action="store_true", help="Hide the progress bar (stderr).")
+    p.set_defaults(func=_lazy("sparsevllm.deltakv_tools.train"))
+
+
+def _train_shape(shape: argparse._ArgumentGroup) -> None:
     shape.add_argument(
         "--latent-dim",
         type=_int_list,
@@ -217,7 +233,9 @@ def _add_train(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="Nearest preceding centers a residual is taken against, at most --sink + 1 "
         "(default: 4).",
     )
-    opt = p.add_argument_group("optimisation")
+
+
+def _train_optimisation(opt: argparse._ArgumentGroup) -> None:
     opt.add_argument("--steps", type=int, default=1000, help="Optimizer steps (default: 1000).")
     opt.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
     opt.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decay (default: 0).")
@@ -241,7 +259,9 @@ def _add_train(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "default initialisation (default: pca).",
     )
     opt.add_argument("--seed", type=int, default=0, help="Seed of init and sampling (default: 0).")
-    run = p.add_argument_group("run")
+
+
+def _train_run(run: argparse._ArgumentGroup) -> None:
     run.add_argument(
         "--val-fraction",
         type=float,
@@ -271,8 +291,6 @@ def _add_train(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     run.add_argument(
         "--time-limit", type=float, metavar="MIN", help="Stop after MIN minutes (resumable)."
     )
-    p.add_argument("--no-progress", action="store_true", help="Hide the progress bar (stderr).")
-    p.set_defaults(func=run_train)
 
 
 def _add_eval(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -299,98 +317,13 @@ def _add_eval(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     p.add_argument("--device", default="cpu", help="Torch device (default: cpu).")
     p.add_argument("--json", metavar="FILE", help="Also write the report as JSON.")
-    p.set_defaults(func=run_eval)
+    p.set_defaults(func=_lazy("sparsevllm.deltakv_tools.evaluate"))
 
 
-def _command(args: argparse.Namespace) -> str:
-    """The command line as given (`cli.main` records it), for the logs."""
-    return str(getattr(args, "command_line", "sparsevllm deltakv"))
+def _lazy(module: str) -> Callable[[argparse.Namespace], int]:
+    """A command that imports its module (and torch) only when it runs."""
 
+    def run(args: argparse.Namespace) -> int:
+        return int(importlib.import_module(module).run_cli(args))
 
-def run_collect(args: argparse.Namespace) -> int:
-    from sparsevllm.deltakv_tools.collect import CollectSettings, collect
-
-    settings = CollectSettings(
-        out=Path(args.out),
-        model=args.model,
-        prompts=Path(args.prompts) if args.prompts else None,
-        haystacks=tuple(t.strip() for t in args.haystacks.split(",") if t.strip()),
-        haystack_length=args.haystack_length,
-        haystack_samples=args.haystack_samples,
-        files=tuple(Path(f) for f in args.files),
-        max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        chat=args.chat,
-        queries=args.queries,
-        max_bytes=int(args.max_gb * 2**30),
-        shard_bytes=int(args.shard_mb * 2**20),
-        dtype=args.dtype,
-        model_dtype=args.model_dtype,
-        device=args.device,
-        cpu_threads=args.cpu_threads,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
-    if args.queries < 0:
-        raise ValueError("--queries must be >= 0")
-    manifest = collect(settings, _command(args))
-    keep = ("num_sequences", "num_tokens", "bytes", "max_bytes", "stopped_at_cap", "seconds")
-    print(json.dumps({"out": args.out, **{k: manifest[k] for k in keep}}, indent=2))
-    return 0
-
-
-def run_train(args: argparse.Namespace) -> int:
-    from sparsevllm.deltakv_tools.losses import LossWeights
-    from sparsevllm.deltakv_tools.train import TrainSettings, train
-
-    settings = TrainSettings(
-        data=Path(args.data),
-        out=Path(args.out),
-        latent_dims=tuple(args.latent_dim),
-        hidden_dim=args.hidden_dim,
-        cluster_ratio=args.cluster_ratio,
-        sink_tokens=args.sink,
-        num_references=args.references,
-        steps=args.steps,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        weights=LossWeights(args.k_weight, args.v_weight, args.attn_weight),
-        val_fraction=args.val_fraction,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        log_every=args.log_every,
-        init=args.init,
-        seed=args.seed,
-        device=args.device,
-        threads=args.threads,
-        save_dtype=args.save_dtype,
-        stop_after=args.stop_after,
-        time_limit_min=args.time_limit,
-        progress=not args.no_progress,
-    )
-    summary = train(settings, args.resume, _command(args))
-    print(json.dumps(summary, indent=2))
-    return 0
-
-
-def run_eval(args: argparse.Namespace) -> int:
-    from sparsevllm.deltakv_tools.evaluate import EvalSettings, evaluate, format_table
-
-    if args.int4_group < 0:
-        raise ValueError("--int4-group must be >= 0")
-    report = evaluate(
-        EvalSettings(
-            Path(args.checkpoint), Path(args.data), args.split, args.int4_group, args.device
-        )
-    )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(
-        f"{report['checkpoint']} on {report['data']} ({report['split']}: "
-        f"{report['sequences']} sequences, {report['tokens']} tokens); relative squared errors"
-    )
-    print(format_table(report))
-    return 0
+    return run

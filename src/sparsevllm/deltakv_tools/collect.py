@@ -9,6 +9,8 @@ written to shards (`shards.py`) until the size cap would be passed.
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -216,3 +218,35 @@ def _plain(value: object) -> object:
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     return value
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    settings = CollectSettings(
+        out=Path(args.out),
+        model=args.model,
+        prompts=Path(args.prompts) if args.prompts else None,
+        haystacks=tuple(t.strip() for t in args.haystacks.split(",") if t.strip()),
+        haystack_length=args.haystack_length,
+        haystack_samples=args.haystack_samples,
+        files=tuple(Path(f) for f in args.files),
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        chat=args.chat,
+        queries=args.queries,
+        max_bytes=int(args.max_gb * 2**30),
+        shard_bytes=int(args.shard_mb * 2**20),
+        dtype=args.dtype,
+        model_dtype=args.model_dtype,
+        device=args.device,
+        cpu_threads=args.cpu_threads,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    if args.queries < 0:
+        raise ValueError("--queries must be >= 0")
+    manifest = collect(settings, str(getattr(args, "command_line", "sparsevllm deltakv")))
+    keep = ("num_sequences", "num_tokens", "bytes", "max_bytes", "stopped_at_cap", "seconds")
+    print(json.dumps({"out": args.out, **{k: manifest[k] for k in keep}}, indent=2))
+    return 0

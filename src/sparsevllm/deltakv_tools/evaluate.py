@@ -15,6 +15,8 @@ validation fraction), `--split all` every sequence.
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,3 +124,22 @@ def format_table(report: dict[str, object]) -> str:
         cells = " ".join(f"{100 * float(r[c]):>14.3f}%" if c in r else f"{'-':>15}" for c in cols)
         lines.append(f"{r['layer']!s:>5} {r['latent_dim']!s:>4} {cells}")
     return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    if args.int4_group < 0:
+        raise ValueError("--int4-group must be >= 0")
+    report = evaluate(
+        EvalSettings(
+            Path(args.checkpoint), Path(args.data), args.split, args.int4_group, args.device
+        )
+    )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(
+        f"{report['checkpoint']} on {report['data']} ({report['split']}: "
+        f"{report['sequences']} sequences, {report['tokens']} tokens); relative squared errors"
+    )
+    print(format_table(report))
+    return 0

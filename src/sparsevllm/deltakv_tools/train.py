@@ -12,6 +12,7 @@ and `loss.png`; it can stop early (`stop_after` steps, `time_limit_min`) and res
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -340,3 +341,34 @@ def _plain(value: object) -> object:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    settings = TrainSettings(
+        data=Path(args.data),
+        out=Path(args.out),
+        latent_dims=tuple(args.latent_dim),
+        hidden_dim=args.hidden_dim,
+        cluster_ratio=args.cluster_ratio,
+        sink_tokens=args.sink,
+        num_references=args.references,
+        steps=args.steps,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        weights=LossWeights(args.k_weight, args.v_weight, args.attn_weight),
+        val_fraction=args.val_fraction,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        log_every=args.log_every,
+        init=args.init,
+        seed=args.seed,
+        device=args.device,
+        threads=args.threads,
+        save_dtype=args.save_dtype,
+        stop_after=args.stop_after,
+        time_limit_min=args.time_limit,
+        progress=not args.no_progress,
+    )
+    summary = train(settings, args.resume, str(getattr(args, "command_line", "sparsevllm deltakv")))
+    print(json.dumps(summary, indent=2))
+    return 0
