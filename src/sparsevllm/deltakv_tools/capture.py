@@ -103,6 +103,11 @@ class DeltaKVCapture(SparseMethod):
             rec.values[layer] = kv.values(step.seq_id, layer, 0, length).float().cpu()
             rows = self._queries.pop((step.seq_id, layer), [])
             rec.queries[layer] = torch.cat(rows) if rows else torch.zeros(0)
+            if rows and rec.queries[layer].shape[0] != rec.query_positions.numel():
+                raise RuntimeError(
+                    f"layer {layer}: {rec.queries[layer].shape[0]} queries captured for "
+                    f"{rec.query_positions.numel()} positions"
+                )
             rec.rope[layer] = None if freqs is None else freqs.float().cpu()
         return rec
 

@@ -14,9 +14,22 @@ from pathlib import Path
 import torch
 
 STATE_FILE = "train_state.pt"
-# Settings a resume may change: how long this run goes on and how it reports.
+# Settings a resume may change: how long this run goes on, where it runs, how it reports
+# and saves; none of them changes the optimisation.
 FREE_SETTINGS = frozenset(
-    {"stop_after", "time_limit_min", "progress", "data", "out", "threads", "device"}
+    {
+        "stop_after",
+        "time_limit_min",
+        "progress",
+        "data",
+        "out",
+        "threads",
+        "device",
+        "save_dtype",
+        "eval_every",
+        "save_every",
+        "log_every",
+    }
 )
 
 Entry = dict[str, float]
