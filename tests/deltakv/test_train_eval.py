@@ -110,3 +110,12 @@ def test_eval_reports_every_layer_and_variant(capture, tmp_path, capsys):
     assert "latent_attn" in printed["text"] and "mean" in printed["text"]
     everything = _run(capsys, "eval", str(ckpt), "--data", str(capture), "--split", "all")
     assert "split" not in everything  # the table, not JSON
+
+
+def test_a_full_width_pca_start_reconstructs_exactly(capture, tmp_path, capsys):
+    """At r = kv_dim the weighted PCA spans every residual: K, V and the attention output
+    come back exactly (float32 rounding), which checks the closed form."""
+    full = _run(capsys, "train", "--data", str(capture), "--out", str(tmp_path), "--latent-dim",
+                "64", "--steps", "1", "--lr", "1e-12", "--no-progress")  # fmt: skip
+    first = full["first_validation"]
+    assert first["k"] < 1e-9 and first["v"] < 1e-9 and first["attn"] < 1e-8
