@@ -1,4 +1,4 @@
-"""`sparsevllm` command line: generate, methods, serve, bench, calibrate.
+"""`sparsevllm` command line: generate, methods, serve, bench, calibrate, deltakv.
 
 Every command checks what it can without a model before loading one; input errors end
 with one line on stderr and exit status 2 (see cli_errors.py for every status).
@@ -10,11 +10,13 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from typing import NoReturn
 
 from sparsevllm import __version__
 from sparsevllm.cli_calibrate import add_calibrate_parser
+from sparsevllm.cli_deltakv import add_deltakv_parser
 from sparsevllm.cli_errors import (
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
@@ -281,6 +283,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_bench(sub, with_bench)
     add_calibrate_parser(sub)
+    add_deltakv_parser(sub)
     return parser
 
 
@@ -313,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             args = duo_calibrate.build_parser(ArgumentParser).parse_args(argv[2:])
             return int(args.func(args))
         args = build_parser(with_bench="bench" in argv).parse_args(argv)
+        args.command_line = shlex.join(["sparsevllm", *argv])  # what logs record
         logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except (UsageError, ValueError, FileNotFoundError) as e:
