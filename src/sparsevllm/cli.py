@@ -296,10 +296,10 @@ def _add_bench(sub: argparse._SubParsersAction, with_kinds: bool) -> None:
     kinds = p.add_subparsers(dest="bench", required=True)
     if not with_kinds:
         return
-    from sparsevllm.bench import fidelity_cli, moe, multiturn, replicas, throughput
+    from sparsevllm.bench import fidelity_cli, moe, multiturn, replicas, throughput_cli
     from sparsevllm.bench.quality import cli as quality
 
-    throughput.add_parser(kinds, add_engine_args)
+    throughput_cli.add_parser(kinds, add_engine_args)
     multiturn.add_parser(kinds, add_engine_args)
     quality.add_parser(kinds)
     fidelity_cli.add_parser(kinds)
