@@ -6,7 +6,7 @@
 #          capacity-methods | formats-capacity
 #   (several parts: run them one after another)
 set -u
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # /tmp/site: carried wheels (llguidance)
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 M="python -m sparsevllm.cli bench throughput --model-config llama3-8b"
