@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
 #          gguf-part | quality | quality-rerun | quality-modes | quality-formats | formats-kernels | formats-throughput |
-#          capacity-methods | formats-capacity
+#          capacity-methods | formats-capacity | million
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # /tmp/site: carried wheels (llguidance)
@@ -190,6 +190,15 @@ PY
            --decode-capacity --max-num-seqs 256 --sparse-method snapkv --decode-keep-tokens 2048 \
            --kv-cache-dtype $f --json "$OUT/formats_32k_snapkv_${f}_b256_cap.json" | tail -3
       done ;;
+    million)
+      # Issue 22 item 3: a 1M-token prompt under SnapKV with bounded prefill (KV at most
+      # budget + chunk per layer during the prefill); TTFT and peak KV in the JSON.
+      python -m sparsevllm.cli bench throughput --model-config llama3-8b-1m \
+         --prompt-len 1048000 --output-len 16 --batch-size 1 --max-num-seqs 1 \
+         --max-model-len 1048576 --sparse-method snapkv --decode-keep-tokens 2048 \
+         --bounded-prefill on --chunk-prefill-size 8192 --max-num-batched-tokens 8192 \
+         --json "$OUT/snapkv_1m_bounded.json" \
+         | grep -E '"(time_to_first_token_s|peak_kv_slots|peak_kv_bytes|prefill_tokens_per_s|decode_tokens_per_s|mean|max)"' ;;
     formats-throughput)
       # Issue 15: the engine on each format: dense decode at 64 x 8K, and vanilla's largest
       # batch at 32K (the pool holds ~1.94x the slots in int8).

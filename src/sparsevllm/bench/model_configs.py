@@ -31,6 +31,13 @@ _LLAMA3_8B: dict[str, Any] = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+# Llama-3-8B with a 1M-token context, as gradientai/Llama-3-8B-Instruct-Gradient-1048k
+# (the same layers; RoPE theta raised instead of Llama 3.1's scaling).
+_LLAMA3_8B_1M: dict[str, Any] = {
+    **{k: v for k, v in _LLAMA3_8B.items() if k != "rope_scaling"},
+    "max_position_embeddings": 1048576,
+    "rope_theta": 3580165449.0,
+}
 _QWEN3_8B: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -168,6 +175,7 @@ _MOONLIGHT_16B_A3B: dict[str, Any] = {
 }
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama3-8b": _LLAMA3_8B,
+    "llama3-8b-1m": _LLAMA3_8B_1M,
     "qwen3-8b": _QWEN3_8B,
     "qwen2.5-7b": _QWEN25_7B,
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
