@@ -110,6 +110,7 @@ PY
            --max-model-len 131072 --sparse-method $m --decode-keep-tokens 2048 $extra \
            --json /tmp/sweep/$m.json | tail -5 || echo "failed: $m"
       done
+      mkdir -p "$OUT/sweep" && for f in /tmp/sweep/*.json; do cp "$f" "$OUT/sweep/sweep_$(basename "$f")"; done
       python -m sparsevllm.bench.sweep /tmp/sweep/*.json --json "$OUT/sweep_b1.json" \
          --plot "$OUT/sweep_b1.png" --title "Llama-3-8B shapes, H200, batch 1" ;;
     b24)
@@ -173,8 +174,10 @@ PY
     capacity-methods)
       # Issue 18 item 3: every second-wave method's decode at 32K at its largest batch
       # (decode-capacity mode: one prompt prefilled, its state copied), beside vanilla.
-      for m in vanilla kvzip expected_attention keydiff lagkv adakv duoattention rkv strided; do
+      # METHODS / GPU_UTIL choose a subset and --gpu-memory-utilization.
+      for m in ${METHODS:-vanilla kvzip expected_attention keydiff lagkv adakv duoattention rkv strided}; do
         $M --prompt-len 32768 --output-len 32 --max-model-len 32896 --max-batch \
+           ${GPU_UTIL:+--gpu-memory-utilization $GPU_UTIL} \
            --decode-capacity --max-num-seqs 512 --sparse-method $m --decode-keep-tokens 2048 \
            --json "$OUT/capacity_32k_$m.json" > "$OUT/capacity_32k_$m.log" 2>&1 ||
           echo "failed: $m"

@@ -15,6 +15,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eviction_harness import by_score, make_method, ref_keep
 from sparsevllm.engine.kv_access import RunnerKV
@@ -142,3 +144,28 @@ def test_window_uses_only_the_newest_prompt_queries():
     assert m.query_rows(SeqStep(0, 0, 40, 1, 40)) == 0  # a decode row asks nothing
     whole = make_method("expected_attention", 1, HKV)  # window 0: every query past the sink
     assert whole.query_rows(SeqStep(0, 0, 0, 40, 40)) == 36
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=6), st.integers(0, 2**16))
+def test_moments_of_any_chunking_equal_one_pass(chunks, seed):
+    """Rows are kept until head_dim have arrived, then folded: the statistics of any
+    chunking equal those of all rows at once, and fewer than head_dim rows never build
+    the [Hq, D, D] sum (the prompt-ending token of hundreds of copied sequences)."""
+    from sparsevllm.sparse.expected_attention import QueryMoments
+
+    rows = torch.randn(sum(chunks), HQ, D, generator=torch.Generator().manual_seed(seed))
+    moments = QueryMoments.empty(HQ, D, True, torch.device("cpu"))
+    start = 0
+    for n in chunks:
+        moments.add(rows[start : start + n])
+        start += n
+        assert (moments.outer is None) == (start < D)
+    mu, cov = moments.mean_cov()
+    want = rows.double()
+    want_mu = want.mean(dim=0)
+    centred = want - want_mu
+    want_cov = torch.einsum("nhi,nhj->hij", centred, centred) / want.shape[0]
+    torch.testing.assert_close(mu.double(), want_mu, rtol=1e-5, atol=1e-5)
+    assert cov is not None
+    torch.testing.assert_close(cov.double(), want_cov, rtol=1e-4, atol=1e-4)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,34 +60,53 @@ class ExpectedAttentionKnobs(MethodKnobs):
 
 @dataclass
 class QueryMoments:
-    """Running sums of one layer's pre-RoPE queries: count, sum `[Hq, D]`, and the sum of
-    outer products `[Hq, D, D]` (None without covariance)."""
+    """Running sums of one layer's pre-RoPE queries: count, sum `[Hq, D]`, and (with
+    covariance) the sum of outer products `[Hq, D, D]`.
+
+    The outer sum costs D rows of queries: until `head_dim` queries have arrived they are
+    kept as they are (`pending`) and folded in only then, so the statistics of a short
+    window, or of the one recomputed token that ends a copied prompt, take a small
+    fraction of it (one `[32, 128, 128]` float32 sum is 2 MiB per layer; hundreds of
+    sequences finishing their prompts in one step would hold gigabytes)."""
 
     count: int
     total: torch.Tensor
-    outer: torch.Tensor | None
+    covariance: bool
+    outer: torch.Tensor | None = None
+    pending: list[torch.Tensor] = field(default_factory=list)  # [n_i, Hq, D] each
 
     def add(self, q: torch.Tensor) -> None:
         """q: `[n, Hq, D]` float32 pre-RoPE queries."""
         self.count += q.shape[0]
         self.total += q.sum(dim=0)
-        if self.outer is not None:
-            self.outer += torch.einsum("nhi,nhj->hij", q, q)
+        if not self.covariance:
+            return
+        self.pending.append(q)
+        if self.outer is not None or sum(p.shape[0] for p in self.pending) >= q.shape[-1]:
+            self._fold()
+
+    def _fold(self) -> None:
+        rows = torch.cat(self.pending)  # [n, Hq, D]
+        self.pending = []
+        outer = torch.einsum("nhi,nhj->hij", rows, rows)  # [Hq, D, D]
+        self.outer = outer if self.outer is None else self.outer + outer
 
     @staticmethod
     def empty(
         num_heads: int, head_dim: int, covariance: bool, device: torch.device
     ) -> QueryMoments:
-        outer = torch.zeros((num_heads, head_dim, head_dim), device=device) if covariance else None
-        return QueryMoments(0, torch.zeros((num_heads, head_dim), device=device), outer)
+        return QueryMoments(0, torch.zeros((num_heads, head_dim), device=device), covariance)
 
     def mean_cov(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(mu `[Hq, D]`, biased covariance `[Hq, D, D]` or None); zeros when empty."""
         n = max(self.count, 1)
         mu = self.total / n
-        if self.outer is None:
+        if not self.covariance:
             return mu, None
-        return mu, self.outer / n - torch.einsum("hi,hj->hij", mu, mu)
+        if self.pending:
+            self._fold()
+        outer = self.outer if self.outer is not None else mu.new_zeros(mu.shape + mu.shape[-1:])
+        return mu, outer / n - torch.einsum("hi,hj->hij", mu, mu)
 
 
 class ExpectedAttention(ScoreEviction):
