@@ -341,3 +341,35 @@ def test_omnikv_select_view_follows_each_decode_steps_scores():
         for layer in range(layers):
             ref = _omnikv_ref(full, layer, scores, 0, budget)
             assert got[(layer, 0)] == ref, f"view length {length}, layer {layer}"
+
+
+def test_tova_without_decode_eviction_cuts_the_prompt_once_and_keeps_generated_tokens():
+    torch.manual_seed(0)
+    budget, prompt = 12, 30
+    c = cfg(
+        "tova",
+        decode_keep_tokens=budget,
+        sink_keep_tokens=0,
+        recent_keep_tokens=0,
+        tova_decode_eviction=False,
+    )
+    m = TOVA(c, 1, 1)
+    kv = FakeKV(1, HKV)
+    keys, queries = torch.randn(prompt + 10, HKV, D), torch.randn(prompt + 10, HQ, D)
+    start = 0
+    for n in [10, 10, 10] + [1] * 10:
+        step = SeqStep(0, 0, start, n, prompt)
+        assert m.score_rows(step) == int(start + n == prompt)  # decode steps ask nothing
+        end = start + n
+        kv.append(0, 0, keys[start:end], list(range(start, end)))
+        q = queries[end - 1 : end]
+        view = kv.keys(0, 0)
+        want = kv.ids[(0, 0)][:, 0].tolist()
+        if end == prompt:
+            want = [want[j] for j in ref_tova(q[0], view, budget)[0]]
+        m.after_step([step], {0: [attention_mass(q, view, D**-0.5)]}, kv)
+        assert kv.ids[(0, 0)][:, 0].tolist() == want
+        start = end
+    assert kv.ids[(0, 0)].shape[0] == budget + 10  # every generated token kept
+    assert m.decode_resident(prompt, 10) == budget + 10
+    assert m.max_resident(prompt, 10) == prompt
