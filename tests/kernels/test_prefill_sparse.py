@@ -46,7 +46,9 @@ def random_lists(hkv: int, q_len: int, length: int, bm: int, bn: int, keep: floa
     first = length - q_len + qb * bm
     last = length - q_len + torch.clamp((qb + 1) * bm, max=q_len) - 1
     kb = torch.arange(num_kb)
-    diag = (kb[None, :] >= (first // bn * bn)[:, None] // bn) & (kb[None, :] <= (last // bn)[:, None])
+    diag = (kb[None, :] >= (first // bn * bn)[:, None] // bn) & (
+        kb[None, :] <= (last // bn)[:, None]
+    )
     mask = torch.rand(hkv, num_qb, num_kb, generator=gen) < keep
     mask = (mask | diag[None]) & (kb[None, :] <= (last // bn)[:, None])[None]
     count, index = sp._compact(mask, num_kb)
@@ -148,3 +150,37 @@ def test_estimated_selection_through_the_kernel():
 
     check_kernel((4, 2), 60, 80, 16, 8, torch.float32, kept)
     assert sp.density(counts[0][0].cpu(), 80, 140, cfg) < 0.9  # it did skip blocks
+
+
+def test_engine_sparse_prefill_matches_the_reference_backend(tiny_model_factory, monkeypatch):
+    """The Triton backend in the engine (estimation pass, selection, sparse kernel, the
+    dense kernel for the batch's other sequence) gives the torch backend's tokens."""
+    from sparsevllm import LLM, SamplingParams
+    from sparsevllm.attention import triton_backend
+    from sparsevllm.engine import runner as runner_module
+
+    model = tiny_model_factory("llama4")
+    prompts = [[1] + [(29 * i + 5) % 240 + 3 for i in range(330)], [1, 7, 8, 9, 10]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    knobs = dict(
+        dtype="float32",
+        enforce_eager=True,
+        prefill_sparse_method="vertical_slash",
+        prefill_sparse_min_len=256,
+        prefill_sparse_vertical_blocks=1,
+        prefill_sparse_slash_blocks=0,
+    )
+    ref = LLM(model, device="cpu", **knobs).generate(prompts, greedy, use_tqdm=False)
+    sparse_seqs = []
+    original = triton_backend.TritonBackend._sparse_prefill
+
+    def spy(self, layer, q, batch, scale, out, i):
+        sparse_seqs.append((batch.num_seqs, i))
+        return original(self, layer, q, batch, scale, out, i)
+
+    monkeypatch.setattr(triton_backend.TritonBackend, "_sparse_prefill", spy)
+    monkeypatch.setattr(runner_module, "default_backend_name", lambda device: "triton")
+    llm = LLM(model, device=DEVICE.type, kv_cache_memory_gb=1, **knobs)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert sparse_seqs == [(2, 0)] * 4  # the long prompt, in one batch with the short one
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

@@ -68,23 +68,9 @@ class TritonBackend(AttentionBackend):
             batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
         out = torch.empty_like(q)
         table = batch.tables[group]
-        lens = batch.view_lens_t[group]
         if batch.decode_only:
             return self._decode(layer, q, batch, scale, out, window)
-        group_lens = batch.view_lens[group]
-        chosen = [
-            i
-            for i in range(batch.num_seqs)
-            if self.sparse_prefill_applies(layer, batch.q_lens[i], group_lens[i], window)
-        ]
-        if not chosen:
-            self._dense_prefill(layer, q, k, v, batch, scale, out, window, None)
-        else:
-            dense = [i for i in range(batch.num_seqs) if i not in chosen]
-            if dense:
-                self._dense_prefill(layer, q, k, v, batch, scale, out, window, dense)
-            for i in chosen:
-                self._sparse_prefill(layer, q, batch, scale, out, i)
+        self._prefill(layer, q, k, v, batch, scale, out, window)
         if window is None and batch.sparse.select_views is not None and 1 in batch.q_lens:
             self._single_query_views(layer, q, batch, scale, out)
         for i in range(batch.num_seqs if window is None else 0):
@@ -100,6 +86,35 @@ class TritonBackend(AttentionBackend):
                 )
                 batch.sparse.put_scores(layer, i, mass)
         return out
+
+    def _prefill(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        out: torch.Tensor,  # [T, Hq, D]
+        window: int | None,
+    ) -> None:
+        """Prefill attention of a batch with chunks: the chunks sparse prefill applies to
+        go through estimation and the block-sparse kernel one by one, the other
+        sequences through one dense launch (the whole batch when none goes sparse)."""
+        view_lens = batch.view_lens[batch.group_of_layer[layer]]
+        chosen = [
+            i
+            for i in range(batch.num_seqs)
+            if self.sparse_prefill_applies(layer, batch.q_lens[i], view_lens[i], window)
+        ]
+        if not chosen:
+            self._dense_prefill(layer, q, k, v, batch, scale, out, window, None)
+            return
+        dense = [i for i in range(batch.num_seqs) if i not in chosen]
+        if dense:
+            self._dense_prefill(layer, q, k, v, batch, scale, out, window, dense)
+        for i in chosen:
+            self._sparse_prefill(layer, q, batch, scale, out, i)
 
     def _dense_prefill(
         self,
