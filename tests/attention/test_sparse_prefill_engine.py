@@ -88,3 +88,18 @@ def test_combines_with_snapkv_decode(model, sparse_calls):
     assert sparse_calls == [701] * 4
     assert used[0] == budgets  # the prompt's KV cut to the budget after its prefill
     assert used[-1] == [b + 5 for b in budgets]
+
+
+def test_quantized_kv_stays_dense(model, sparse_calls):
+    generate(model, kv_cache_dtype="int8", **SMALL)
+    assert sparse_calls == []
+
+
+def test_only_full_attention_layers_go_sparse(tmp_path, sparse_calls):
+    from tiny_gemma3 import save_tiny_gemma3
+
+    gemma = save_tiny_gemma3(tmp_path / "gemma3")  # layers: sliding, full, sliding, full
+    covering = LLM(gemma, **COVERING).generate([PROMPT], GREEDY, use_tqdm=False)
+    assert sparse_calls == [701, 701]  # the two full-attention layers only
+    dense = LLM(gemma).generate([PROMPT], GREEDY, use_tqdm=False)
+    assert covering[0].token_ids == dense[0].token_ids
