@@ -120,3 +120,16 @@ def test_applies_and_bounds():
     assert cfg.applies(65, 1000) and not cfg.applies(64, 5000) and not cfg.applies(500, 999)
     assert sp.PrefillSparsity().max_blocks(131072) == 1 + 24 + 14 * 3
     assert sp.PrefillSparsity().max_blocks(300) == 5
+
+
+def test_reference_in_pieces_equals_one_piece(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    n, length = 70, 150
+    q = torch.randn(n, 4, 16, generator=gen)
+    k = torch.randn(length, 2, 16, generator=gen)
+    v = torch.randn(length, 2, 16, generator=gen)
+    cfg = sp.PrefillSparsity(1, 2, 1, 8, block_m=16, block_n=8)
+    count, index = sp.estimate_reference(q, k, 0.25, cfg)
+    whole = sp.attend_block_sparse(q, k, v, 0.25, count, index, 16, 8)
+    monkeypatch.setattr(sp, "REFERENCE_MASK_ELEMENTS", 4 * length * 16 * 2)  # 2 blocks a piece
+    torch.testing.assert_close(sp.attend_block_sparse(q, k, v, 0.25, count, index, 16, 8), whole)

@@ -180,6 +180,10 @@ def block_sparse_mask(
     return mask & (torch.arange(view_len, device=block_index.device)[None, :] <= rows)
 
 
+# Most mask entries (query heads x rows x keys) attend_block_sparse builds at once.
+REFERENCE_MASK_ELEMENTS = 1 << 28
+
+
 def attend_block_sparse(
     q: torch.Tensor,  # [n, Hq, D] the chunk's queries
     k: torch.Tensor,  # [L, Hkv, D] the view's keys, the chunk's own last
@@ -190,17 +194,30 @@ def attend_block_sparse(
     block_m: int,
     block_n: int,
 ) -> torch.Tensor:  # [n, Hq, Dv]
-    """Plain attention under the block-sparse mask (the reference of the Triton kernel)."""
+    """Plain attention under the block-sparse mask (the reference of the Triton kernel),
+    a few query blocks at a time so the token-level mask stays bounded."""
     n, hq, _ = q.shape
     length, hkv, _ = k.shape
-    mask = block_sparse_mask(block_count, block_index, n, length, block_m, block_n)
-    mask = mask.repeat_interleave(hq // hkv, dim=0)  # [Hq, n, L]
-    kt = k.to(q.dtype).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)  # [Hq, L, D]
-    vt = v.to(q.dtype).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], kt[None], vt[None], attn_mask=mask[None], scale=scale
-    )  # [1, Hq, n, Dv]
-    return out[0].transpose(0, 1)
+    group = hq // hkv
+    kt = k.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)[None]  # [1, Hq, L, D]
+    vt = v.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)[None]
+    blocks_per_piece = max(1, REFERENCE_MASK_ELEMENTS // (hq * length * block_m))
+    out = q.new_empty(n, hq, v.shape[-1])
+    for qb0 in range(0, block_count.shape[1], blocks_per_piece):
+        qb1 = min(qb0 + blocks_per_piece, block_count.shape[1])
+        lo, hi = qb0 * block_m, min(qb1 * block_m, n)
+        # The piece's rows are the view's entries up to length - (n - hi): its own view.
+        view = length - (n - hi)
+        mask = block_sparse_mask(
+            block_count[:, qb0:qb1], block_index[:, qb0:qb1], hi - lo, view, block_m, block_n
+        )  # [Hkv, hi - lo, view]
+        mask = mask.repeat_interleave(group, dim=0)[None]  # [1, Hq, hi - lo, view]
+        piece = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1)[None], kt[:, :, :view], vt[:, :, :view], attn_mask=mask,
+            scale=scale,
+        )  # fmt: skip
+        out[lo:hi] = piece[0].transpose(0, 1)
+    return out
 
 
 def estimate_reference(
