@@ -61,3 +61,40 @@ def test_offload_tiers_work_with_either_cache():
     for method in ("vanilla", "quest", "snapkv"):  # radix, radix, chain
         config = EngineConfig(sparse_method=method, cpu_offload_gb=1, disk_offload_dir="/tmp/x")
         assert config.disk_offload_dir == "/tmp/x"
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            {"prefill_sparse_method": "minference"},
+            "prefill_sparse_method must be one of off, vertical_slash; got 'minference'",
+        ),
+        ({"prefill_sparse_method": "vertical-slash"}, "did you mean 'vertical_slash'"),
+        ({"prefill_sparse_min_len": 0}, "prefill_sparse_min_len must be a positive integer"),
+        ({"prefill_sparse_vertical_blocks": -1}, "prefill_sparse_vertical_blocks must be >= 0"),
+        ({"prefill_sparse_slash_blocks": -3}, "prefill_sparse_slash_blocks must be >= 0"),
+        ({"prefill_sparse_slash_blocks": 1.5}, "prefill_sparse_slash_blocks has the wrong type"),
+        ({"prefill_sparse_last_q": 0}, "prefill_sparse_last_q must be a positive integer"),
+        (
+            {"prefill_sparse_last_q": 512, "prefill_sparse_min_len": 256},
+            r"prefill_sparse_last_q \(512\) must not exceed prefill_sparse_min_len \(256\)",
+        ),
+    ],
+)
+def test_bad_prefill_sparse_settings(values, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_dict(values)
+
+
+def test_prefill_sparse_settings_reach_the_backends():
+    from sparsevllm.attention.sparse_prefill import PrefillSparsity
+    from sparsevllm.engine.runner import prefill_sparsity_of
+
+    assert prefill_sparsity_of(EngineConfig()) is None
+    config = EngineConfig.create(
+        prefill_sparse_method="vertical_slash",
+        prefill_sparse_vertical_blocks=0,
+        sparse_method="snapkv",
+    )
+    assert prefill_sparsity_of(config) == PrefillSparsity(vertical_blocks=0)

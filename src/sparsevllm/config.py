@@ -28,6 +28,7 @@ from sparsevllm.sparse.spec import SHARED_DEFAULTS, MethodKnobs, NoKnobs, Settin
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BOUNDED_PREFILL = ("off", "auto", "on")
+PREFILL_SPARSE_METHODS = ("off", "vertical_slash")
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 
 # Help text for every field; the CLI builds its flags from this table.
@@ -91,6 +92,20 @@ FIELD_HELP: dict[str, str] = {
     "prompt evicts nothing (see docs/methods.md#bounded-memory-prefill).",
     "bounded_prefill_threshold": "bounded_prefill auto: prompts longer than this many tokens "
     "prefill bounded (shorter ones too when their full KV would not fit the pool).",
+    "prefill_sparse_method": "Block-sparse prefill attention in full-attention layers: off, "
+    "or vertical_slash (per KV head, the last prefill_sparse_last_q queries of a chunk pick "
+    "the key blocks every query block reads: the sink block, the local diagonal, the top "
+    "key-block columns and the top diagonals; MInference-like). Combines with every "
+    "sparse_method; chunks with a shorter view than prefill_sparse_min_len, quantized KV "
+    "formats and sliding-window layers stay dense (see docs/methods.md#sparse-prefill).",
+    "prefill_sparse_min_len": "prefill_sparse_method: a chunk whose view (cached prefix + "
+    "chunk) is shorter than this many tokens is attended densely.",
+    "prefill_sparse_vertical_blocks": "vertical_slash: key blocks (64 tokens each) kept for "
+    "their column mass, besides the sink and local blocks.",
+    "prefill_sparse_slash_blocks": "vertical_slash: diagonal offsets (in 64-token key "
+    "blocks) kept for their mass along the diagonal, besides the local offsets 0 and 1.",
+    "prefill_sparse_last_q": "vertical_slash: queries at the end of a chunk whose attention "
+    "estimates the pattern (chunks with no more rows than this stay dense).",
     "enable_prefix_caching": "Keep state across requests: a radix prefix cache or, for "
     "eviction methods, the chain cache (default: on).",
     "prefix_cache_mode": "auto (by the registry), radix (dense/logical methods) or chain "
@@ -155,6 +170,11 @@ class EngineConfig:
     long_prefill_offload_threshold: int = 65536
     bounded_prefill: str = "off"
     bounded_prefill_threshold: int = 65536
+    prefill_sparse_method: str = "off"
+    prefill_sparse_min_len: int = 8192
+    prefill_sparse_vertical_blocks: int = 24
+    prefill_sparse_slash_blocks: int = 12
+    prefill_sparse_last_q: int = 64
     enable_prefix_caching: bool | None = None
     prefix_cache_mode: str = "auto"
     cpu_offload_gb: float = 0.0
@@ -210,6 +230,22 @@ class EngineConfig:
                 f"({self.max_num_batched_tokens}): every running sequence needs a token per step"
             )
         self._validate_sparse()
+        self._validate_prefill_sparse()
+
+    def _validate_prefill_sparse(self) -> None:
+        _check_choice("prefill_sparse_method", self.prefill_sparse_method, PREFILL_SPARSE_METHODS)
+        _check_positive_int("prefill_sparse_min_len", self.prefill_sparse_min_len)
+        for name in ("prefill_sparse_vertical_blocks", "prefill_sparse_slash_blocks"):
+            value = getattr(self, name)
+            _check_type(name, value, int)
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        _check_positive_int("prefill_sparse_last_q", self.prefill_sparse_last_q)
+        if self.prefill_sparse_last_q > self.prefill_sparse_min_len:
+            raise ValueError(
+                f"prefill_sparse_last_q ({self.prefill_sparse_last_q}) must not exceed "
+                f"prefill_sparse_min_len ({self.prefill_sparse_min_len})"
+            )
 
     def _validate_sparse(self) -> None:
         object.__setattr__(self, "sparse_method", canonical_method_name(self.sparse_method))

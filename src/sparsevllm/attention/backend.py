@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparsevllm.attention.sparse_prefill import PrefillSparsity
 from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.kv.format import KVFormat, KVStorage
 from sparsevllm.kv.layout import SlotLayout
@@ -106,8 +107,23 @@ class AttentionBackend(abc.ABC):
     # backend may decide per instance, from the storage it serves).
     graph_safe: bool = True
 
-    def __init__(self, storage: list[KVStorage]) -> None:
+    def __init__(
+        self, storage: list[KVStorage], prefill_sparsity: PrefillSparsity | None = None
+    ) -> None:
         self.storage = storage  # per layer
+        # Block-sparse prefill (attention/sparse_prefill.py); None: every chunk dense.
+        self.prefill_sparsity = prefill_sparsity
+
+    def sparse_prefill_applies(
+        self, layer: int, q_len: int, view_len: int, window: int | None
+    ) -> bool:
+        """Whether a chunk goes through block-sparse prefill: full-attention layers in the
+        model dtype only (quantized and KIVI formats, sliding windows stay dense), chunks
+        long enough to estimate from, views of at least min_len."""
+        cfg = self.prefill_sparsity
+        if cfg is None or window is not None:
+            return False
+        return self.storage[layer].format.is_model_dtype and cfg.applies(q_len, view_len)
 
     @classmethod
     def serves(cls, layout: SlotLayout, fmt: KVFormat) -> bool:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
+from sparsevllm.attention.sparse_prefill import attend_block_sparse, estimate_reference
 from sparsevllm.kv.format import KVStorage
 
 
@@ -82,8 +83,25 @@ class TorchRefBackend(AttentionBackend):
                 own = slice(start, start + n)  # the view's last n rows
                 k_i = torch.cat([k_i[:-n], k[own].to(k_i.dtype)])
                 v_i = torch.cat([v_i[:-n], v[own].to(v_i.dtype)])
+            length = int(view.shape[0])
+            if selected is None and self.sparse_prefill_applies(layer, n, length, window):
+                out[start : start + n] = self._attend_sparse(q_i, k_i, v_i, scale)
+                continue
             out[start : start + n] = attend(q_i, k_i, v_i, scale, window, key_mask)
         return out
+
+    def _attend_sparse(
+        self,
+        q: torch.Tensor,  # [n, Hq, D]
+        k: torch.Tensor,  # [L, Hkv, D]
+        v: torch.Tensor,  # [L, Hkv, Dv]
+        scale: float,
+    ) -> torch.Tensor:  # [n, Hq, Dv]
+        """Block-sparse prefill of one chunk: estimate its pattern, attend under it."""
+        cfg = self.prefill_sparsity
+        assert cfg is not None
+        count, index = estimate_reference(q, k, scale, cfg)
+        return attend_block_sparse(q, k, v, scale, count, index, cfg.block_m, cfg.block_n)
 
 
 def _batched_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:

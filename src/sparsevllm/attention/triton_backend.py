@@ -17,12 +17,14 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
+from sparsevllm.attention.sparse_prefill import PrefillSparsity, select_blocks
 from sparsevllm.attention.triton import (
     decode_attention,
     prefill_attention,
     store_kv,
     window_attention_mass,
 )
+from sparsevllm.attention.triton.prefill_sparse import block_mass, prefill_sparse_attention
 from sparsevllm.attention.triton_kivi import KiviAttention
 from sparsevllm.kv.format import KVFormat, KVStorage
 from sparsevllm.kv.layout import SlotLayout
@@ -31,8 +33,10 @@ from sparsevllm.kv.layout import SlotLayout
 class TritonBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, storage: list[KVStorage]) -> None:
-        super().__init__(storage)
+    def __init__(
+        self, storage: list[KVStorage], prefill_sparsity: PrefillSparsity | None = None
+    ) -> None:
+        super().__init__(storage, prefill_sparsity)
         self.kivi = KiviAttention(storage)
         # KIVI's store takes residual rows from a host free list: eager steps.
         self.graph_safe = not any(s.format.kernels == "kivi" for s in storage)
@@ -64,26 +68,9 @@ class TritonBackend(AttentionBackend):
             batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
         out = torch.empty_like(q)
         table = batch.tables[group]
-        lens = batch.view_lens_t[group]
         if batch.decode_only:
             return self._decode(layer, q, batch, scale, out, window)
-        prefill_attention(
-            q,
-            storage.k,
-            storage.v,
-            table,
-            batch.rows_t,
-            batch.q_starts_t,
-            lens,
-            scale,
-            out,
-            max_q_len=max(batch.q_lens),
-            window=window,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            k_new=None if k_scale is None else k,
-            v_new=None if k_scale is None else v,
-        )
+        self._prefill(layer, q, k, v, batch, scale, out, window)
         if window is None and batch.sparse.select_views is not None and 1 in batch.q_lens:
             self._single_query_views(layer, q, batch, scale, out)
         for i in range(batch.num_seqs if window is None else 0):
@@ -99,6 +86,120 @@ class TritonBackend(AttentionBackend):
                 )
                 batch.sparse.put_scores(layer, i, mass)
         return out
+
+    def _prefill(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        out: torch.Tensor,  # [T, Hq, D]
+        window: int | None,
+    ) -> None:
+        """Prefill attention of a batch with chunks: the chunks sparse prefill applies to
+        go through estimation and the block-sparse kernel one by one, the other
+        sequences through one dense launch (the whole batch when none goes sparse)."""
+        view_lens = batch.view_lens[batch.group_of_layer[layer]]
+        chosen = [
+            i
+            for i in range(batch.num_seqs)
+            if self.sparse_prefill_applies(layer, batch.q_lens[i], view_lens[i], window)
+        ]
+        if not chosen:
+            self._dense_prefill(layer, q, k, v, batch, scale, out, window, None)
+            return
+        dense = [i for i in range(batch.num_seqs) if i not in chosen]
+        if dense:
+            self._dense_prefill(layer, q, k, v, batch, scale, out, window, dense)
+        for i in chosen:
+            self._sparse_prefill(layer, q, batch, scale, out, i)
+
+    def _dense_prefill(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        out: torch.Tensor,  # [T, Hq, D]
+        window: int | None,
+        seqs: list[int] | None,
+    ) -> None:
+        """The dense prefill kernel over the batch, or over the sequences `seqs` only (the
+        others go sparse): their query rows are gathered, attended and scattered back."""
+        group = batch.group_of_layer[layer]
+        storage = self.storage[layer]
+        rows, q_starts, lens = batch.rows_t, batch.q_starts_t, batch.view_lens_t[group]
+        q_lens = batch.q_lens
+        token_rows = None
+        if seqs is not None:
+            q_lens = [batch.q_lens[i] for i in seqs]
+            spans = [range(batch.q_starts[i], batch.q_starts[i] + batch.q_lens[i]) for i in seqs]
+            token_rows = torch.tensor([t for span in spans for t in span], device=q.device)
+            picked = torch.tensor(seqs, device=q.device)
+            rows, lens = rows[picked], lens[picked]
+            starts = [0] + q_lens
+            q_starts = torch.tensor(starts, device=q.device).cumsum(0).to(torch.int32)
+            q, k, v = q[token_rows], k[token_rows], v[token_rows]
+        res = out if token_rows is None else torch.empty_like(q)
+        k_scale, v_scale = storage.k_scale, storage.v_scale
+        prefill_attention(
+            q,
+            storage.k,
+            storage.v,
+            batch.tables[group],
+            rows,
+            q_starts,
+            lens,
+            scale,
+            res,
+            max_q_len=max(q_lens),
+            window=window,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            k_new=None if k_scale is None else k,
+            v_new=None if k_scale is None else v,
+        )
+        if token_rows is not None:
+            out[token_rows] = res
+
+    def _sparse_prefill(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        batch: ForwardBatch,
+        scale: float,
+        out: torch.Tensor,  # [T, Hq, D]
+        i: int,
+    ) -> None:
+        """Sequence i's chunk: estimate its block pattern from its last queries, then run
+        the block-sparse kernel over it (writing its rows of `out`)."""
+        cfg = self.prefill_sparsity
+        assert cfg is not None
+        group = batch.group_of_layer[layer]
+        storage = self.storage[layer]
+        start, n = batch.q_starts[i], batch.q_lens[i]
+        length = batch.view_lens[group][i]
+        table_row = batch.tables[group, batch.rows[i]]  # [max_len] the view's slots
+        q_i = q[start : start + n]  # [n, Hq, D]
+        mass = block_mass(q_i[-cfg.last_q :], storage.k, table_row, length, scale, cfg.block_n)
+        count, index = select_blocks(mass, n, length, cfg)
+        prefill_sparse_attention(
+            q_i,
+            storage.k,
+            storage.v,
+            table_row,
+            length,
+            scale,
+            count,
+            index,
+            out[start : start + n],
+            block_m=cfg.block_m,
+            block_n=cfg.block_n,
+        )
 
     def _decode(
         self,

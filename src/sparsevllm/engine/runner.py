@@ -11,6 +11,7 @@ from typing import NamedTuple, Protocol, cast
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch, backend_for, default_backend_name
+from sparsevllm.attention.sparse_prefill import PrefillSparsity
 from sparsevllm.attention.sparse_step import SelectViews, SparseStep
 from sparsevllm.calibration.identity import model_identity
 from sparsevllm.config import EngineConfig
@@ -63,6 +64,18 @@ def encoder_of(source: ModelSource) -> Callable[[str], list[int]] | None:
     if tokenizer is None:
         return None
     return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prefill_sparsity_of(config: EngineConfig) -> PrefillSparsity | None:
+    """The backends' block-sparse prefill settings (None: prefill_sparse_method off)."""
+    if config.prefill_sparse_method == "off":
+        return None
+    return PrefillSparsity(
+        min_len=config.prefill_sparse_min_len,
+        vertical_blocks=config.prefill_sparse_vertical_blocks,
+        slash_blocks=config.prefill_sparse_slash_blocks,
+        last_q=config.prefill_sparse_last_q,
+    )
 
 
 class ModelRunner:
@@ -122,7 +135,7 @@ class ModelRunner:
         self.num_slots = self.layout.num_slots(self.methods.state_bytes_per_slot, act, scratch)
         self.kv_storage: list[KVStorage] = self.layout.create(self.num_slots, scratch)
         backend = backend_for(default_backend_name(self.device), self.slot_layout, self.kv_format)
-        self.backend = backend(self.kv_storage)
+        self.backend = backend(self.kv_storage, prefill_sparsity_of(config))
         self.scratch_slots = scratch
         self._encode = encoder_of(source)
         self.sampler = Sampler()
