@@ -78,8 +78,8 @@ def check_kernel(heads, prefix, q_len, bm, bn, dtype, count_index, d=32, seed=0)
 @pytest.mark.parametrize(
     "heads,prefix,q_len,bm,bn,keep",
     [
-        ((4, 2), 0, 70, 16, 8, 0.3),  # a whole prompt, ragged last block
-        ((4, 2), 37, 50, 16, 8, 0.5),  # a cached prefix off the tile grid
+        ((4, 2), 0, 70, 16, 16, 0.3),  # a whole prompt, ragged last block
+        ((4, 2), 37, 50, 32, 16, 0.5),  # a cached prefix off the tile grid
         ((2, 2), 64, 64, 32, 16, 0.0),  # MHA, only the diagonals
         ((8, 2), 5, 33, 16, 16, 1.0),  # every causal block
         ((4, 1), 100, 40, 32, 16, 0.2),
@@ -123,7 +123,7 @@ def test_covering_lists_equal_dense_prefill():
     assert rel_err(sparse, dense) < 1e-5
 
 
-@pytest.mark.parametrize("heads,r,length,bn", [((4, 2), 8, 150, 16), ((2, 2), 70, 90, 8)])
+@pytest.mark.parametrize("heads,r,length,bn", [((4, 2), 8, 150, 16), ((2, 2), 70, 90, 32)])
 def test_block_mass_matches_reference(heads, r, length, bn):
     hq, hkv = heads
     k_cache, _, table_row = make_view(length, hkv, 32, torch.float32, 7)
@@ -136,7 +136,7 @@ def test_block_mass_matches_reference(heads, r, length, bn):
 
 def test_estimated_selection_through_the_kernel():
     # The whole path as the backend runs it: estimation pass, selection, sparse kernel.
-    cfg = sp.PrefillSparsity(1, 2, 1, 8, block_m=16, block_n=8)
+    cfg = sp.PrefillSparsity(1, 2, 1, 8, block_m=16, block_n=16)
 
     def lists(q, k_cache, table_row):
         mass = block_mass(q[-cfg.last_q :], k_cache, table_row, 140, 0.2, cfg.block_n)
@@ -148,7 +148,7 @@ def test_estimated_selection_through_the_kernel():
         counts.append(lists(q, k_cache, table_row))
         return counts[-1]
 
-    check_kernel((4, 2), 60, 80, 16, 8, torch.float32, kept)
+    check_kernel((4, 2), 60, 80, 16, 16, torch.float32, kept)
     assert sp.density(counts[0][0].cpu(), 80, 140, cfg) < 0.9  # it did skip blocks
 
 

@@ -159,6 +159,10 @@ def prefill_sparse_attention(
         )
     if block_index.stride(-1) != 1 or block_count.stride(-1) != 1:
         raise ValueError("block_count and block_index need a unit-stride last dimension")
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        # tl.dot needs every operand dimension >= 16 (P @ V contracts over block_n).
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {size}")
     if n == 0:
         return out
     _prefill_sparse_kernel[(num_q_heads, num_qb)](
