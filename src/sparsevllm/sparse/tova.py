@@ -82,8 +82,6 @@ class TOVA(SparseMethod):
         return step.is_decode and self.knobs.tova_decode_eviction
 
 
-
-
 def tova_keep(attn: torch.Tensor, budget: int) -> list[int]:
     """Positions of the `budget` tokens with the highest head-averaged attention."""
     return sorted(attn.float().mean(dim=0).topk(budget).indices.tolist())
