@@ -26,15 +26,20 @@ SCALE = 0.3
 
 
 def make_pool(
-    lens: list[int], fmt: str, dtype: torch.dtype = torch.float32, rank: int = RANK, seed: int = 0
+    lens: list[int],
+    fmt: str,
+    dtype: torch.dtype = torch.float32,
+    rank: int = RANK,
+    rope: int = ROPE,
+    seed: int = 0,
 ) -> tuple[LatentStorage, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Latent storage holding the views of `lens` at permuted slots, the table (spare
     rows, NaN-free padding at slot 0), rows and view lengths."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(lens)
     slots = 1 + torch.randperm(total + 20, generator=gen)[:total]
-    storage = create_storage(get_format(fmt), total + 21, latent_layout(rank, ROPE), dtype, DEVICE)
-    x = torch.randn(total, 1, rank + ROPE, generator=gen).to(DEVICE, dtype)
+    storage = create_storage(get_format(fmt), total + 21, latent_layout(rank, rope), dtype, DEVICE)
+    x = torch.randn(total, 1, rank + rope, generator=gen).to(DEVICE, dtype)
     storage.store(x, x[..., :rank], slots.to(DEVICE))
     width = max(lens) + 3
     table = torch.zeros(len(lens) + 2, width, dtype=torch.int32)
@@ -48,12 +53,14 @@ def make_pool(
     return storage, table.to(DEVICE), rows.to(DEVICE), lens_t.to(DEVICE)
 
 
-def queries(num_seqs: int, heads: int, dtype: torch.dtype, rank: int = RANK) -> torch.Tensor:
+def queries(
+    num_seqs: int, heads: int, dtype: torch.dtype, rank: int = RANK, rope: int = ROPE
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(7)
-    return torch.randn(num_seqs, heads, rank + ROPE, generator=gen).to(DEVICE, dtype)
+    return torch.randn(num_seqs, heads, rank + rope, generator=gen).to(DEVICE, dtype)
 
 
-def reference(storage, table, rows, lens, q, subset=None, subset_lens=None):
+def reference(storage, table, rows, lens, q, subset=None, subset_lens=None, scale=SCALE):
     """torch_ref's single-query attention per sequence (its own selection rules) and
     its probabilities over view positions `[S, H, width]` (0 where not read)."""
     out = q.new_empty(*q.shape[:2], storage.v.shape[-1])
@@ -70,8 +77,8 @@ def reference(storage, table, rows, lens, q, subset=None, subset_lens=None):
             positions = positions.to(q.device)
             k, v = torch_ref.gather_selected(storage, view, positions[0])
             read = torch.cat([positions[0].cpu(), torch.tensor([n - 1])])
-        out[i] = torch_ref.attend(q[i : i + 1], k, v, SCALE, key_mask=key_mask)[0]
-        mass = torch_ref.attention_mass(q[i : i + 1].float(), k.float(), SCALE)  # [H, len]
+        out[i] = torch_ref.attend(q[i : i + 1], k, v, scale, key_mask=key_mask)[0]
+        mass = torch_ref.attention_mass(q[i : i + 1].float(), k.float(), scale)  # [H, len]
         probs[i][:, read.to(q.device)] = mass
     return out, probs
 
@@ -194,3 +201,63 @@ def test_store_rows_matches_latent_store(fmt):
     assert torch.equal(a.k.float(), b.k.float())
     if fmt != "auto":
         assert torch.equal(a.k_scale, b.k_scale)
+
+
+ON_GPU = DEVICE.type == "cuda"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _full_size(fmt: str, heads: int, lens: list[int]):
+    """GLM-4.7-Flash's latent (R 512, P 64) in bf16, and the float32 reference over the
+    same stored values (a float32 copy of the rows, the scales shared)."""
+    storage, table, rows, lens_t = make_pool(lens, fmt, torch.bfloat16, 512, 64)
+    q = queries(len(lens), heads, torch.bfloat16, 512, 64)
+    wide = LatentStorage(get_format(fmt), storage.num_slots, latent_layout(512, 64),
+                         torch.float32, DEVICE)  # fmt: skip
+    wide.k.copy_(storage.k)
+    if wide.k_scale is not None:
+        wide.k_scale.copy_(storage.k_scale)
+    return storage, wide, table, rows, lens_t, q
+
+
+@pytest.mark.skipif(not ON_GPU, reason="full-size shapes are slow in the interpreter")
+@pytest.mark.parametrize("fmt", ["auto", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("heads", [20, 128])
+def test_full_size_shapes_bf16(fmt, heads):
+    """GLM-4.7-Flash's 20 heads and DeepSeek-V3's 128, default tiles and splits."""
+    storage, wide, table, rows, lens, q = _full_size(fmt, heads, [5000, 33, 1, 2049])
+    out = torch.empty(4, heads, 512, dtype=torch.bfloat16, device=DEVICE)
+    scores = torch.empty(4, heads, table.shape[1], device=DEVICE)
+    decode_mla_attention(
+        q, storage.k, table, rows, lens, 0.07, out, kv_scale=storage.k_scale, scores_out=scores
+    )
+    want, probs = reference(wide, table, rows, lens, q.float(), scale=0.07)
+    assert rel_err(out, want) < 2e-2
+    assert rel_err(scores, probs) < 2e-2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay():
+    storage, wide, table, rows, lens, q = _full_size("auto", 20, [300, 4000, 17, 9000])
+    out = torch.empty(4, 20, 512, dtype=torch.bfloat16, device=DEVICE)
+    scores = torch.empty(4, 20, table.shape[1], device=DEVICE)
+
+    def step() -> None:
+        decode_mla_attention(q, storage.k, table, rows, lens, 0.07, out, scores_out=scores)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # New data and shorter views in the same buffers, then replay.
+    q.copy_(torch.randn_like(q))
+    lens.copy_(torch.tensor([299, 1, 9, 8191], dtype=torch.int32, device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    want, probs = reference(wide, table, rows, lens, q.float(), scale=0.07)
+    assert rel_err(out, want) < 2e-2
+    assert rel_err(scores, probs) < 2e-2
