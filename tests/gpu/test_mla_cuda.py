@@ -57,3 +57,24 @@ def test_shared_experts_block_fused_matches_reference():
     want = reference_experts(x, block.experts.gate_up_proj, block.experts.down_proj, w, ids)
     want = want + block.shared_experts(x)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("older", [0, 700], ids=["causal", "masked"])
+def test_reference_prefill_of_latent_rows_runs_the_memory_efficient_kernel(older):
+    """A prefill chunk over latent rows (one KV head, D 576, values 512) in the reference
+    attention, which the Triton backend runs for MLA prefill: only the memory-efficient
+    kernel allowed (the math fallback would hold [H, n, L] float32 probabilities), and
+    equal to the CPU's float32 result."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sparsevllm.attention import torch_ref
+
+    torch.manual_seed(0)
+    n, heads = 300, 20
+    q = torch.randn(n, heads, 576, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(older + n, 1, 576, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        got = torch_ref.attend(q, k, k[..., :512], 0.07)
+    want = torch_ref.attend(q.cpu().float(), k.cpu().float(), k[..., :512].cpu().float(), 0.07)
+    assert got.shape == (n, heads, 512)
+    torch.testing.assert_close(got.cpu().float(), want, atol=2e-2, rtol=2e-2)

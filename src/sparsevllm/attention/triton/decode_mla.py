@@ -249,9 +249,10 @@ def mla_decode_config(
     num_seqs: int, num_heads: int, eff_max: int, quantized: bool, device: torch.device
 ) -> tuple[int, int, int]:
     """Default (block_h, block_n, num_splits) from shapes only (graph-safe)."""
-    # 16 heads is the smallest tensor-core M; up to 64 heads share one key tile (GLM-4.7-
-    # Flash's 20 heads: one block of 32; DeepSeek-V3's 128: two of 64).
-    block_h = max(16, min(next_pow2(num_heads), 64))
+    # 16 heads is the smallest tensor-core M; up to 32 share one key tile (GLM-4.7-Flash's
+    # 20 heads: one block; DeepSeek-V3's 128: four, neighbouring programs that read the
+    # same rows, mostly from L2). 64 would hold a [64, 512] fp32 accumulator: spills.
+    block_h = max(16, min(next_pow2(num_heads), 32))
     # A bf16 tile of 32 rows is 36 KiB: two stages fit shared memory beside the operands;
     # 1-byte rows take twice as many for the same bytes.
     block_n = 64 if quantized else 32
