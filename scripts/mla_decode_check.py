@@ -156,9 +156,7 @@ def timing(
             q, storage.k, table, rows, lens, SCALE, out, kv_scale=storage.k_scale, **kw
         )
 
-    block_h, block_n, splits = mla_decode_config(
-        batch, heads, table.shape[1], storage.k_scale is not None, q.device
-    )
+    block_h, block_n, splits = mla_decode_config(batch, heads, table.shape[1], q.device)
     kernel_us = bench(kernel)
     views = _Views(table, lens)
     ref_us = bench(
