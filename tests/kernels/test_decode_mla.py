@@ -164,6 +164,18 @@ def test_decode_subset_and_scores(fmt, num_splits):
     torch.testing.assert_close(scores, probs, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["auto", "int8"])
+def test_full_width_rows_default_config(fmt):
+    """R 512, P 64 (every real MLA model's row) with 20 heads and the default tiles and
+    splits (one block of 32 heads), on short views: the same kernel the GPU runs."""
+    storage, table, rows, lens = make_pool([70, 1, 33], fmt, rank=512, rope=64)
+    q = queries(3, 20, torch.float32, 512, 64)
+    out = torch.empty(3, 20, 512, device=DEVICE)
+    decode_mla_attention(q, storage.k, table, rows, lens, 0.05, out, kv_scale=storage.k_scale)
+    want, _ = reference(storage, table, rows, lens, q, scale=0.05)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
 def test_padding_row_reads_nothing():
     """A view of length 0 (a CUDA-graph padding row) gives zeros, with or without splits."""
     storage, table, rows, lens = make_pool([4, 9], "auto")
