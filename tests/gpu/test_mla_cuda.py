@@ -1,6 +1,7 @@
-"""The MLA families on CUDA against the CPU path: the latent layout falls back to the
-torch reference attention (eager), while RMSNorm, RoPE and the fused MoE run their
-Triton kernels; and the shared-experts block's fused experts against the reference."""
+"""The MLA families on CUDA against the CPU path: the latent layout runs the Triton
+backend (the MLA decode kernel in decode CUDA graphs, the reference attention for
+prefill chunks), RMSNorm, RoPE and the fused MoE their Triton kernels; and the
+shared-experts block's fused experts against the reference."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_cuda_matches_cpu_reference(tmp_path, kind, method):
     llm = LLM(model, device="cuda", kv_cache_memory_gb=1, **kwargs)
     gpu = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
-    assert llm.engine.runner.backend.name == "torch" and llm.engine.runner.graphs is None
+    assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is not None
 
 
 def test_bf16_decodes(tmp_path):
@@ -56,3 +57,24 @@ def test_shared_experts_block_fused_matches_reference():
     want = reference_experts(x, block.experts.gate_up_proj, block.experts.down_proj, w, ids)
     want = want + block.shared_experts(x)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("older", [0, 700], ids=["causal", "masked"])
+def test_reference_prefill_of_latent_rows_runs_the_memory_efficient_kernel(older):
+    """A prefill chunk over latent rows (one KV head, D 576, values 512) in the reference
+    attention, which the Triton backend runs for MLA prefill: only the memory-efficient
+    kernel allowed (the math fallback would hold [H, n, L] float32 probabilities), and
+    equal to the CPU's float32 result."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sparsevllm.attention import torch_ref
+
+    torch.manual_seed(0)
+    n, heads = 300, 20
+    q = torch.randn(n, heads, 576, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(older + n, 1, 576, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        got = torch_ref.attend(q, k, k[..., :512], 0.07)
+    want = torch_ref.attend(q.cpu().float(), k.cpu().float(), k[..., :512].cpu().float(), 0.07)
+    assert got.shape == (n, heads, 512)
+    torch.testing.assert_close(got.cpu().float(), want, atol=2e-2, rtol=2e-2)

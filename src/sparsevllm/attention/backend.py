@@ -18,6 +18,7 @@ import torch
 from sparsevllm.attention.sparse_prefill import PrefillSparsity
 from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.kv.format import KVFormat, KVStorage
+from sparsevllm.kv.latent import LatentStorage
 from sparsevllm.kv.layout import SlotLayout
 
 logger = logging.getLogger(__name__)
@@ -117,13 +118,15 @@ class AttentionBackend(abc.ABC):
     def sparse_prefill_applies(
         self, layer: int, q_len: int, view_len: int, window: int | None
     ) -> bool:
-        """Whether a chunk goes through block-sparse prefill: full-attention layers in the
-        model dtype only (quantized and KIVI formats, sliding windows stay dense), chunks
-        long enough to estimate from, views of at least min_len."""
+        """Whether a chunk goes through block-sparse prefill: full-attention layers of
+        per-head K/V in the model dtype only (quantized and KIVI formats, MLA's latent
+        rows and sliding windows stay dense), chunks long enough to estimate from, views
+        of at least min_len."""
         cfg = self.prefill_sparsity
-        if cfg is None or window is not None:
+        storage = self.storage[layer]
+        if cfg is None or window is not None or isinstance(storage, LatentStorage):
             return False
-        return self.storage[layer].format.is_model_dtype and cfg.applies(q_len, view_len)
+        return storage.format.is_model_dtype and cfg.applies(q_len, view_len)
 
     @classmethod
     def serves(cls, layout: SlotLayout, fmt: KVFormat) -> bool:

@@ -232,6 +232,14 @@ def attend(
     causal = window is None and k.shape[0] == n
     mask = None if causal else causal_mask(n, k.shape[0], q.device, window)
     gqa = hq != hkv
+    if gqa and hkv == 1 and q.is_cuda:
+        # One KV head (MLA's latent rows, D 576): flash takes D <= 256 and the memory-
+        # efficient kernel no enable_gqa, so SDPA would fall back to the math kernel and
+        # hold [Hq, n, L] float32 probabilities (20 heads x 8K x 8K: 5 GiB). A stride-0
+        # expansion over the query heads feeds the memory-efficient kernel, copying nothing.
+        kt = kt.expand(-1, hq, -1, -1)  # [1, Hq, L, D]
+        vt = vt.expand(-1, hq, -1, -1)
+        gqa = False
     if gqa and mask is not None and q.is_cuda:
         # CUDA's memory-efficient kernel takes a mask but not enable_gqa, and the math
         # fallback would hold [Hq, n, L] probabilities (8.6 GB for a 2,048-token chunk

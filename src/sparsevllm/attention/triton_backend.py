@@ -10,6 +10,14 @@ Sliding-window layers pass their window to both kernels; sparse methods leave th
 alone (no logical views, no scores). A quantized storage format (kv/scaled.py) hands the
 kernels its per-token scales: they quantize on store and dequantize in registers. KIVI
 layers (kv/kivi.py) go to attention/triton_kivi.py.
+
+MLA's latent layout (kv/latent.py, one `[c_kv | k_pe]` row per token whose value is its
+c_kv prefix): the new rows are written by `store_rows` (one buffer), and pure decode
+batches run `decode_mla_attention` over the rows (heads packed per key tile; the same
+subset and scores hooks, so every served method runs on it, in a CUDA graph). Batches
+with prefill chunks go to the torch reference's attention over the stored rows (SDPA per
+sequence; prefill is compute-bound, and its absorbed form is exact): the reference also
+serves those batches' decoding rows with the method's selection and scores.
 """
 
 from __future__ import annotations
@@ -18,15 +26,19 @@ import torch
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
 from sparsevllm.attention.sparse_prefill import PrefillSparsity, select_blocks
+from sparsevllm.attention.torch_ref import TorchRefBackend
 from sparsevllm.attention.triton import (
     decode_attention,
+    decode_mla_attention,
     prefill_attention,
     store_kv,
+    store_rows,
     window_attention_mass,
 )
 from sparsevllm.attention.triton.prefill_sparse import block_mass, prefill_sparse_attention
 from sparsevllm.attention.triton_kivi import KiviAttention
 from sparsevllm.kv.format import KVFormat, KVStorage
+from sparsevllm.kv.latent import LatentStorage
 from sparsevllm.kv.layout import SlotLayout
 
 
@@ -38,14 +50,19 @@ class TritonBackend(AttentionBackend):
     ) -> None:
         super().__init__(storage, prefill_sparsity)
         self.kivi = KiviAttention(storage)
+        # Latent layers' prefill chunks (and sliding windows, which MLA models have not).
+        self.reference = TorchRefBackend(storage)
         # KIVI's store takes residual rows from a host free list: eager steps.
         self.graph_safe = not any(s.format.kernels == "kivi" for s in storage)
 
     @classmethod
     def serves(cls, layout: SlotLayout, fmt: KVFormat) -> bool:
-        # The kernels read separate K and V buffers of one head_dim (no MLA kernels yet):
-        # elements with at most a per-token scale, or KIVI's packed codes.
-        return not layout.shared_kv and fmt.kernels in ("elementwise", "kivi")
+        # Separate K and V buffers of one head_dim: elements with at most a per-token
+        # scale, or KIVI's packed codes. A shared-KV (MLA latent) buffer: elements with
+        # at most a per-row scale (the model dtype, bf16 / fp16, int8, fp8_e4m3).
+        if layout.shared_kv:
+            return fmt.kernels == "elementwise"
+        return fmt.kernels in ("elementwise", "kivi")
 
     def forward(
         self,
@@ -61,6 +78,8 @@ class TritonBackend(AttentionBackend):
         storage = self.storage[layer]
         if storage.format.kernels == "kivi":
             return self.kivi.forward(layer, q, k, v, batch, scale, window)
+        if _is_latent(storage):
+            return self._latent_forward(layer, q, k, v, batch, scale, window)
         # Scales (None for the model dtype): the kernels quantize and dequantize with them.
         k_scale, v_scale = storage.k_scale, storage.v_scale
         store_kv(k, v, storage.k, storage.v, batch.slot_mapping[group], k_scale, v_scale)
@@ -201,6 +220,28 @@ class TritonBackend(AttentionBackend):
             block_n=cfg.block_n,
         )
 
+    def _latent_forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, H, R + P] absorbed queries
+        k: torch.Tensor,  # [T, 1, R + P] the new latent rows
+        v: torch.Tensor,  # [T, 1, R]: their prefix, not written separately
+        batch: ForwardBatch,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:  # [T, H, R]
+        """A latent layer: store the rows; decode batches through the MLA kernel, batches
+        with prefill chunks (and a window, which no MLA model has) through the reference
+        attention over the stored rows, which also applies the method's views and scores."""
+        storage = self.storage[layer]
+        store_rows(k, storage.k, batch.slot_mapping[batch.group_of_layer[layer]], storage.k_scale)
+        if window is None:
+            batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
+        if window is not None or not batch.decode_only:
+            return self.reference.attend_stored(layer, q, k, v, batch, scale, window)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])  # [S, H, R]
+        return self._decode(layer, q, batch, scale, out, window)
+
     def _decode(
         self,
         layer: int,
@@ -231,22 +272,37 @@ class TritonBackend(AttentionBackend):
                 (q.shape[0], q.shape[1], table.shape[-1]), dtype=torch.float32, device=q.device
             )
         storage = self.storage[layer]
-        decode_attention(
-            q,
-            storage.k,
-            storage.v,
-            table,
-            batch.rows_t,
-            batch.view_lens_t[group],
-            scale,
-            out,
-            subset=subset,
-            subset_lens=subset_lens,
-            scores_out=scores,
-            window=window,
-            k_scale=storage.k_scale,
-            v_scale=storage.v_scale,
-        )
+        if _is_latent(storage):
+            decode_mla_attention(
+                q,
+                storage.k,
+                table,
+                batch.rows_t,
+                batch.view_lens_t[group],
+                scale,
+                out,
+                subset=subset,
+                subset_lens=subset_lens,
+                scores_out=scores,
+                kv_scale=storage.k_scale,
+            )
+        else:
+            decode_attention(
+                q,
+                storage.k,
+                storage.v,
+                table,
+                batch.rows_t,
+                batch.view_lens_t[group],
+                scale,
+                out,
+                subset=subset,
+                subset_lens=subset_lens,
+                scores_out=scores,
+                window=window,
+                k_scale=storage.k_scale,
+                v_scale=storage.v_scale,
+            )
         if scores is not None:
             self._keep_scores(layer, scores, want, batch)
         return out
@@ -307,3 +363,8 @@ class TritonBackend(AttentionBackend):
             if w:
                 view = scores[i, :, : batch.view_lens[group][i]]
                 batch.sparse.put_scores(layer, i, view.clone())
+
+
+def _is_latent(storage: KVStorage) -> bool:
+    """A shared-KV storage (kv/latent.py): V is a view of K's rows (MLA's latent)."""
+    return isinstance(storage, LatentStorage)

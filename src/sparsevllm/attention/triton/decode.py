@@ -423,18 +423,30 @@ def decode_attention(
         assert ws_m is not None and ws_l is not None and ws_acc is not None
         merge_splits(ws_m, ws_l, ws_acc, out, lse)
     if scores_out is not None:
-        block = 1024
-        _scores_normalize_kernel[(num_seqs, num_q_heads, triton.cdiv(max_len, block))](
-            scores_out,
-            lse,
-            view_lens,
-            scores_out.stride(0),
-            scores_out.stride(1),
-            max_len,
-            BLOCK=block,
-            num_warps=4,
-        )
+        assert lse is not None
+        normalize_scores(scores_out, lse, view_lens)
     return out
+
+
+def normalize_scores(
+    scores_out: torch.Tensor,  # [S, Hq, max_len] float32: base-2 logits, in place
+    lse: torch.Tensor,  # [S, Hq] float32: each head's base-2 log-sum-exp
+    view_lens: torch.Tensor,  # [S] int32
+) -> None:
+    """Logits -> probabilities in place, zero past each view (the decode kernels' third
+    pass when a method asks for scores)."""
+    num_seqs, num_q_heads, max_len = scores_out.shape
+    block = 1024
+    _scores_normalize_kernel[(num_seqs, num_q_heads, triton.cdiv(max_len, block))](
+        scores_out,
+        lse,
+        view_lens,
+        scores_out.stride(0),
+        scores_out.stride(1),
+        max_len,
+        BLOCK=block,
+        num_warps=4,
+    )
 
 
 def merge_splits(

@@ -161,3 +161,87 @@ def store_kv(
         IS_INT=k_cache.dtype == torch.int8,
         num_warps=4,
     )
+
+
+@triton.jit
+def _store_rows_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
+    x_ptr,
+    cache_ptr,
+    slot_ptr,
+    scale_ptr,
+    stride_ss,
+    stride_sh,
+    stride_xt,
+    stride_xh,
+    stride_cs,
+    stride_ch,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT: tl.constexpr,
+):
+    """One program: token `t`, heads [hb * BLOCK_H, (hb + 1) * BLOCK_H) of one buffer."""
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    head_mask = (offs_h < num_heads) & (slot >= 0)  # slot -1: a padding row, skipped
+    mask = head_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    x = tl.load(x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :], mask=mask)
+    dst = cache_ptr + slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    if QUANT:
+        scale_dst = scale_ptr + slot * stride_ss + offs_h * stride_sh  # [BLOCK_H]
+        _store_quantized(x, dst, scale_dst, mask, head_mask, QMAX, IS_INT)
+    else:
+        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_rows(
+    x: torch.Tensor,  # [T, H, D]
+    cache: torch.Tensor,  # [num_slots, H, D]
+    slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = skip
+    scale: torch.Tensor | None = None,  # [num_slots, H] float32
+) -> None:
+    """Write `x[t]` into slot `slot_mapping[t]` of one buffer (in place): a shared-KV
+    layout's rows (MLA's latent `[c_kv | k_pe]`, kv/latent.py), whose value is a view of
+    the same buffer and needs no write of its own. Quantizes for an int8 or float8_e4m3fn
+    cache exactly as `store_kv` (bit-identical to kv.scaled.quantize over each whole
+    row). No host sync: safe inside CUDA-graph capture."""
+    num_tokens, num_heads, head_dim = x.shape
+    if cache.shape[1:] != (num_heads, head_dim) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(
+            f"shape mismatch: x {tuple(x.shape)}, cache {tuple(cache.shape)}, "
+            f"slot_mapping {tuple(slot_mapping.shape)}"
+        )
+    quantized = check_kv_scales(cache, cache, scale, scale)
+    if num_tokens == 0:
+        return
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("cache", cache)
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_heads), max(1, 2048 // block_d))
+    scale_ptr, _, stride_ss, stride_sh, _, _ = scale_launch_args(scale, scale, slot_mapping)
+    _store_rows_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        x,
+        cache,
+        slot_mapping,
+        scale_ptr,
+        stride_ss,
+        stride_sh,
+        x.stride(0),
+        x.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        QUANT=quantized,
+        QMAX=QMAX.get(cache.dtype, 0.0),
+        IS_INT=cache.dtype == torch.int8,
+        num_warps=4,
+    )
