@@ -56,7 +56,7 @@ def _load_scales(ptrs, n_mask, MASKED: tl.constexpr):  # type: ignore[no-untyped
 
 
 @triton.jit
-def _softmax_step(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
+def prefill_tile_step(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     q,
     k_ptrs,
     v_ptrs,
@@ -76,7 +76,8 @@ def _softmax_step(  # type: ignore[no-untyped-def]  # Triton reads annotations a
     MASKED: tl.constexpr,
     QUANT: tl.constexpr,
 ):
-    """One key tile of the online softmax; `visible` [BLOCK_M, BLOCK_N] only if MASKED.
+    """One key tile of the online softmax, shared by the dense and the block-sparse
+    prefill kernels; `visible` [BLOCK_M, BLOCK_N] only if MASKED.
     With QUANT, `ks_ptrs`/`vs_ptrs` [BLOCK_N] point at the keys' scales (`n_mask`: the
     loadable ones, read only if MASKED), and the keys where `fresh` [BLOCK_N] is set come
     unscaled from `kf_ptrs`/`vf_ptrs` (the chunk's own K/V) instead of the cache."""
@@ -219,7 +220,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
             offs = j + offs_n  # [BLOCK_N] key view positions
             slot = tl.load(table_row + offs).to(tl.int64)  # [BLOCK_N]; < full_end <= L
             new_row = tl.maximum(q_start + offs - own_start, 0).to(tl.int64)
-            m_i, l_i, acc = _softmax_step(
+            m_i, l_i, acc = prefill_tile_step(
                 q,
                 k_base + slot[:, None] * stride_kcs + offs_d[None, :],
                 v_base + slot[:, None] * stride_vcs + offs_d[None, :],
@@ -249,7 +250,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
             visible = (offs[None, :] <= q_pos[:, None]) & k_valid[None, :]
             if HAS_WINDOW:
                 visible = visible & (offs[None, :] > q_pos[:, None] - window)
-            m_i, l_i, acc = _softmax_step(
+            m_i, l_i, acc = prefill_tile_step(
                 q,
                 k_base + slot[:, None] * stride_kcs + offs_d[None, :],
                 v_base + slot[:, None] * stride_vcs + offs_d[None, :],

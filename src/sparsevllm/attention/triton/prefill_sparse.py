@@ -28,7 +28,7 @@ from sparsevllm.attention.triton._common import (
     dot_precision,
     next_pow2,
 )
-from sparsevllm.attention.triton.prefill import _softmax_step
+from sparsevllm.attention.triton.prefill import prefill_tile_step
 
 # Key blocks one estimation program scans: enough to amortise loading its query rows.
 MASS_BLOCKS_PER_PROGRAM = 16
@@ -99,7 +99,7 @@ def _prefill_sparse_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
         slot = tl.load(table_row_ptr + offs).to(tl.int64)
         k_ptrs = k_base + slot[:, None] * stride_kcs + offs_d[None, :]
         v_ptrs = v_base + slot[:, None] * stride_vcs + offs_d[None, :]
-        m_i, l_i, acc = _softmax_step(
+        m_i, l_i, acc = prefill_tile_step(
             q, k_ptrs, v_ptrs, dm, None, None, None, None, None, None,
             m_i, l_i, acc, qk_scale, None, DOT_PREC, False, False,
         )  # fmt: skip
@@ -111,7 +111,7 @@ def _prefill_sparse_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
         v_ptrs = v_base + slot[:, None] * stride_vcs + offs_d[None, :]
         # Padded query rows (offs_m >= q_len) see every loaded key and are never stored.
         visible = (offs[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        m_i, l_i, acc = _softmax_step(
+        m_i, l_i, acc = prefill_tile_step(
             q, k_ptrs, v_ptrs, k_valid[:, None] & dm, None, None, None, None, None, None,
             m_i, l_i, acc, qk_scale, visible, DOT_PREC, True, False,
         )  # fmt: skip
