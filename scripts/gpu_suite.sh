@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
 #          gguf-part | quality | quality-rerun | quality-modes | quality-formats | formats-kernels | formats-throughput |
-#          capacity-methods | formats-capacity | million
+#          capacity-methods | formats-capacity | million | mla
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # /tmp/site: carried wheels (llguidance)
@@ -214,6 +214,26 @@ PY
         $M --prompt-len 32768 --output-len 64 --max-model-len 32896 --max-batch \
            --kv-cache-dtype $f --json "$OUT/vanilla_32k_maxbatch_$f.json" \
            | grep -E '"(batch_size|decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
+      done ;;
+    mla)
+      # Issue 17: the MLA decode kernel on CUDA (tests, accuracy and speed at GLM-4.7-Flash's
+      # shapes), then GLM-4.7-Flash at 32K: SnapKV (2,048) at its largest batch beside
+      # vanilla at its own (decode-capacity mode). Carry .whl2 (llguidance). MLA_TESTS=0 skips
+      # the tests, MLA_CHECK_ARGS / MLA_METHODS / GPU_UTIL choose the rest.
+      ls .whl2/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl2/*.whl
+      [ "${MLA_TESTS:-1}" = 1 ] && python -m pytest -q tests/kernels/test_decode_mla.py \
+         tests/kernels/test_triton_mla_engine.py tests/gpu/test_mla_cuda.py \
+         tests/kernels/test_prefill_sparse.py 2>&1 | tail -15
+      timeout ${MLA_CHECK_S:-300} python scripts/mla_decode_check.py --out "$OUT/mla_decode_check.json" ${MLA_CHECK_ARGS:---sweep} \
+         2>&1 | tail -30
+      G="python -m sparsevllm.cli bench throughput --model-config glm-4.7-flash"
+      for m in ${MLA_METHODS:-vanilla snapkv}; do
+        timeout ${MLA_LIMIT_S:-200} $G --prompt-len 32768 --output-len 32 --max-model-len 32896 --max-batch \
+           --decode-capacity --max-num-seqs 1024 --sparse-method $m --decode-keep-tokens 2048 \
+           ${GPU_UTIL:+--gpu-memory-utilization $GPU_UTIL} --json "$OUT/glm47_flash_32k_${m}_max.json" > "$OUT/glm47_flash_32k_$m.log" 2>&1 ||
+          echo "failed: $m"; tail -5 "$OUT/glm47_flash_32k_$m.log"
+        grep -E '"(batch_size|decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"' \
+           "$OUT/glm47_flash_32k_${m}_max.json"
       done ;;
     dense)
       $M --prompt-len 8192 --output-len 128 --batch-size 32 --max-model-len 8448 \

@@ -156,7 +156,9 @@ def timing(
             q, storage.k, table, rows, lens, SCALE, out, kv_scale=storage.k_scale, **kw
         )
 
-    block_h, block_n, splits = mla_decode_config(batch, heads, table.shape[1], q.device)
+    block_h, block_n, splits = mla_decode_config(
+        batch, heads, table.shape[1], q.device, storage.k.element_size()
+    )
     kernel_us = bench(kernel)
     views = _Views(table, lens)
     ref_us = bench(
@@ -174,7 +176,7 @@ def timing(
 
 
 def _sweep(kernel: Any, floor_us: float) -> list[dict[str, Any]]:
-    grid = itertools.product((16, 32), (16, 32, 64), (None, 8, 16, 32), (4, 8), (1, 2))
+    grid = itertools.product((16, 32), (16, 32, 64), (None, 8, 16, 32), (4, 8), (1, 2, 3))
     rows = []
     for block_h, block_n, splits, warps, stages in grid:
         cfg = dict(block_h=block_h, block_n=block_n, num_splits=splits, num_warps=warps,
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope", type=int, default=64)
     ap.add_argument("--formats", default="auto,int8,fp8_e4m3")
     ap.add_argument("--shapes", default="64x8192,8x32768", help="BATCHxLENGTH,...")
-    ap.add_argument("--sweep", action="store_true", help="also time a grid of tiles (first format)")
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of tiles")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -209,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for fmt, shape in itertools.product(formats, args.shapes.split(",")):
         batch, length = (int(x) for x in shape.split("x"))
-        sweep = args.sweep and fmt == formats[0]  # the tiles of the first format only
-        report["timing"].append(timing(fmt, args.heads, batch, length, args.rank, args.rope, sweep))
+        report["timing"].append(
+            timing(fmt, args.heads, batch, length, args.rank, args.rope, args.sweep)
+        )
         torch.cuda.empty_cache()
     text = json.dumps(report, indent=1)
     print(text)

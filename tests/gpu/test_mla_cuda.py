@@ -1,6 +1,5 @@
-"""The MLA families on CUDA against the CPU path: the latent layout runs the torch
-reference attention (eager; the MLA decode kernel is not turned on before it has run on
-a GPU: TritonBackend.serves_latent), RMSNorm, RoPE and the fused MoE their Triton
+"""The MLA families on CUDA against the CPU path: the latent layout runs the Triton
+MLA decode kernel (in CUDA graphs), RMSNorm, RoPE and the fused MoE their Triton
 kernels; and the shared-experts block's fused experts against the reference."""
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ def test_cuda_matches_cpu_reference(tmp_path, kind, method):
     llm = LLM(model, device="cuda", kv_cache_memory_gb=1, **kwargs)
     gpu = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
-    # Latent layers stay on the reference backend until the MLA kernel has run on a GPU
-    # (TritonBackend.serves_latent).
-    assert llm.engine.runner.backend.name == "torch" and llm.engine.runner.graphs is None
+    # Latent layers run the Triton MLA decode kernel, captured in CUDA graphs.
+    assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is not None
 
 
 def test_bf16_decodes(tmp_path):

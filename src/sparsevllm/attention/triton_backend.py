@@ -46,11 +46,10 @@ from sparsevllm.kv.layout import SlotLayout
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    # MLA's latent layout through decode_mla.py: its kernel equals the reference under the
-    # Triton interpreter (tests/kernels/test_decode_mla.py, test_triton_mla_engine.py) but
-    # has not yet been compiled for and run on a GPU, so CUDA keeps latent layers on the
-    # reference backend until its GPU tests have passed there.
-    serves_latent: ClassVar[bool] = False
+    # MLA's latent layout through decode_mla.py (its kernel and engine tests pass under the
+    # Triton interpreter and on the H200); a class attribute so tests can route latent
+    # layers to the reference backend instead.
+    serves_latent: ClassVar[bool] = True
 
     def __init__(
         self, storage: list[KVStorage], prefill_sparsity: PrefillSparsity | None = None

@@ -246,17 +246,19 @@ def _write_partial(  # type: ignore[no-untyped-def]  # Triton reads annotations 
 
 
 def mla_decode_config(
-    num_seqs: int, num_heads: int, eff_max: int, device: torch.device
+    num_seqs: int, num_heads: int, eff_max: int, device: torch.device, row_bytes: int = 2
 ) -> tuple[int, int, int]:
-    """Default (block_h, block_n, num_splits) from shapes only (graph-safe)."""
+    """Default (block_h, block_n, num_splits) from shapes only (graph-safe); `row_bytes`
+    is the cache's element size."""
     # 16 heads is the smallest tensor-core M; up to 32 share one key tile (GLM-4.7-Flash's
     # 20 heads: one block; DeepSeek-V3's 128: four, neighbouring programs that read the
     # same rows, mostly from L2). 64 would hold a [64, 512] fp32 accumulator: spills.
     block_h = max(16, min(next_pow2(num_heads), 32))
-    # A bf16 tile of 32 rows is 36 KiB: two stages fit shared memory beside the operands.
-    # 1-byte rows are converted in registers ([32, 512] over 256 threads: 64 each), so
-    # they keep 32 rows too rather than decode.py's doubling.
-    block_n = 32
+    # H200 sweep (scripts/mla_decode_check.py --sweep, GLM-4.7-Flash at 64 x 8K and
+    # 8 x 32K, bf16): 64-row tiles, 4 warps, 2 stages were fastest (0.28 ms at 64 x 8K,
+    # against 0.30 with 32 rows and 0.55 with 8 warps). 1-byte rows are converted in
+    # registers, so they keep 32 rows.
+    block_n = 64 if row_bytes >= 2 else 32
     head_blocks = triton.cdiv(num_heads, block_h)
     splits = auto_num_splits(num_seqs, head_blocks, eff_max, device)
     want = -(-MLA_PROGRAMS_PER_SM * num_sms(device) // max(1, num_seqs * head_blocks))
@@ -298,7 +300,9 @@ def decode_mla_attention(
     eff_max = _check_subset(subset, subset_lens, num_seqs, table.shape[1])
     if num_seqs == 0:
         return out
-    d_block_h, d_block_n, d_splits = mla_decode_config(num_seqs, num_heads, eff_max, q.device)
+    d_block_h, d_block_n, d_splits = mla_decode_config(
+        num_seqs, num_heads, eff_max, q.device, kv_cache.element_size()
+    )
     block_h = block_h or d_block_h
     splits = max(1, int(num_splits or d_splits))
     block_r = next_pow2(max(rank, 16))
@@ -326,7 +330,7 @@ def decode_mla_attention(
         HAS_SUBSET=subset is not None, WRITE_SCORES=scores_out is not None,
         # Quantized rows are converted to q's dtype: the dots run in it.
         DOT_PREC=dot_precision(q.dtype if quantized else kv_cache.dtype), QUANT=quantized,
-        num_warps=num_warps or (4 if block_h <= 16 else 8), num_stages=num_stages,
+        num_warps=num_warps or 4, num_stages=num_stages,
     )  # fmt: skip
     if ws is not None:
         merge_splits(*ws, out, lse)
