@@ -36,8 +36,6 @@ def mla_model(tmp_path_factory):
 
 def _tokens(model: str, backend: str, monkeypatch, **kwargs) -> tuple[list[list[int]], LLM]:
     monkeypatch.setattr(runner_module, "default_backend_name", lambda device: backend)
-    # The kernel path itself, which CUDA turns on once it has run on a GPU.
-    monkeypatch.setattr(triton_backend.TritonBackend, "serves_latent", True)
     llm = LLM(model, device=DEVICE.type, kv_cache_memory_gb=0.05, **kwargs)
     assert llm.engine.runner.backend.name == backend
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -22,8 +22,6 @@ serves those batches' decoding rows with the method's selection and scores.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
@@ -46,10 +44,6 @@ from sparsevllm.kv.layout import SlotLayout
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    # MLA's latent layout through decode_mla.py (its kernel and engine tests pass under the
-    # Triton interpreter and on the H200); a class attribute so tests can route latent
-    # layers to the reference backend instead.
-    serves_latent: ClassVar[bool] = True
 
     def __init__(
         self, storage: list[KVStorage], prefill_sparsity: PrefillSparsity | None = None
@@ -67,7 +61,7 @@ class TritonBackend(AttentionBackend):
         # scale, or KIVI's packed codes. A shared-KV (MLA latent) buffer: elements with
         # at most a per-row scale (the model dtype, bf16 / fp16, int8, fp8_e4m3).
         if layout.shared_kv:
-            return cls.serves_latent and fmt.kernels == "elementwise"
+            return fmt.kernels == "elementwise"
         return fmt.kernels in ("elementwise", "kivi")
 
     def forward(

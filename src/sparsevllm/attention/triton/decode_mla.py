@@ -246,7 +246,7 @@ def _write_partial(  # type: ignore[no-untyped-def]  # Triton reads annotations 
 
 
 def mla_decode_config(
-    num_seqs: int, num_heads: int, eff_max: int, device: torch.device, row_bytes: int = 2
+    num_seqs: int, num_heads: int, eff_max: int, device: torch.device, row_bytes: int
 ) -> tuple[int, int, int]:
     """Default (block_h, block_n, num_splits) from shapes only (graph-safe); `row_bytes`
     is the cache's element size."""
