@@ -10,7 +10,9 @@ from sparsevllm.config import EngineConfig
 
 DEFAULT_MAX_MODEL_LEN = 32768
 # The largest decode batch a CUDA graph is captured for (larger batches run eagerly).
-MAX_GRAPH_BATCH = 512
+# Eviction methods fit batches of several hundred long sequences (SnapKV at 32K on
+# GLM-4.7-Flash: 542), and an eager step of a 47-layer MoE costs about 2x a replay.
+MAX_GRAPH_BATCH = 2048
 # Without a kv_cache_memory_gb, a CPU pool gets what every sequence at full length
 # needs, but never more than this.
 CPU_DEFAULT_KV_BYTES = 2**30

@@ -25,9 +25,11 @@ logger = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
-    """Powers of two up to 64, then steps of 64: few graphs, little padding."""
+    """Powers of two up to 64, steps of 64 up to 1024, then of 256: few graphs, and a
+    step pads at most 63 rows (255 above 1024)."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch]
-    sizes += list(range(128, max_batch + 1, 64))
+    sizes += list(range(128, min(max_batch, 1024) + 1, 64))
+    sizes += list(range(1280, max_batch + 1, 256))
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
