@@ -5,7 +5,8 @@ translated here once: tensors are dequantized to float with the ``gguf`` library
 reshaped to the HF ``[out_features, in_features]`` layout, renamed, and the
 layout changes that llama.cpp's converter applies (rotary row permutation for
 ``llama``, ``+1`` on Gemma norm weights) are undone so the result equals the
-original HF checkpoint (up to quantization error).
+original HF checkpoint (up to quantization error). The MLA models' ``deepseek2`` files
+(DeepSeek-V3, GLM-4.7-Flash) have a config and a re-layout of their own: gguf_mla.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ import transformers
 
 from sparsevllm.models.gguf_dequant import dequantize
 from sparsevllm.models.gguf_file import GGUFFile, read_gguf_file
+from sparsevllm.models.gguf_mla import (
+    MLA_ARCH,
+    MLA_BLOCK_TENSORS,
+    finish_mla_state_dict,
+    mla_config,
+)
 from sparsevllm.models.gguf_transformers import build_config, build_tokenizer
 
 # gguf ``general.architecture`` -> HF class name written into ``config.architectures``.
@@ -31,6 +38,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    # DeepSeek-V3 (GLM-4.7-Flash files get Glm4MoeLiteForCausalLM: gguf_mla.mla_config).
+    MLA_ARCH: "DeepseekV3ForCausalLM",
 }
 
 # Tensors outside the transformer blocks (same for every supported architecture).
@@ -90,6 +99,7 @@ _BLOCK_TENSORS: dict[str, dict[str, str]] = {
         "ffn_norm.weight": "pre_feedforward_layernorm.weight",
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     },
+    MLA_ARCH: MLA_BLOCK_TENSORS,
 }
 
 # llama.cpp-only tensors with no HF parameter: Llama-3.1 ``rope_freqs`` is derived
@@ -213,6 +223,8 @@ def _load_gguf_config(path: str) -> transformers.PretrainedConfig:
     parsed = read_gguf(path)
     meta, tensor_names, arch = parsed.metadata, parsed.tensor_names, parsed.architecture
     _check_architecture(arch)
+    if arch == MLA_ARCH:  # transformers has no GGUF mapping for it: built from scratch
+        return mla_config(parsed)
     config = build_config(parsed)
     if _MODEL_TYPE_TO_ARCH.get(config.model_type) != arch:
         raise ValueError(f"GGUF {arch!r} parsed as unexpected model_type {config.model_type!r}")
@@ -313,6 +325,8 @@ def _load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict
             # HF Gemma RMSNorm scales by (1 + w); llama.cpp bakes the +1 into w.
             weight = weight - 1.0
         state[hf_name] = weight.to(dtype)
+    if arch == MLA_ARCH:
+        state = finish_mla_state_dict(state)
     return _join_expert_gate_up(state)
 
 
