@@ -78,3 +78,57 @@ def test_reference_prefill_of_latent_rows_runs_the_memory_efficient_kernel(older
     want = torch_ref.attend(q.cpu().float(), k.cpu().float(), k[..., :512].cpu().float(), 0.07)
     assert got.shape == (n, heads, 512)
     torch.testing.assert_close(got.cpu().float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("older", [0, 700], ids=["causal", "lower-right"])
+def test_expanded_prefill_runs_flash(older):
+    """A long chunk in the expanded form at GLM-4.7-Flash's shapes (20 heads, K and V of
+    256 per head) runs SDPA's flash kernel, also below older rows (bottom-right causal),
+    and equals the absorbed form computed on the CPU in float32."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sparsevllm.attention import torch_ref
+    from sparsevllm.attention.latent_expansion import LatentExpansion
+
+    torch.manual_seed(0)
+    n, heads, rank, rope, nope, vdim = 600, 20, 512, 64, 192, 256
+    queries = torch.randn(n, heads, nope + rope, device="cuda")
+    w_uk = torch.randn(heads, nope, rank, device="cuda") * rank**-0.5
+    w_uv = torch.randn(heads, vdim, rank, device="cuda") * rank**-0.5
+    rows = torch.randn(older + n, 1, rank + rope, device="cuda")
+    exp = LatentExpansion(queries.bfloat16(), w_uk.bfloat16(), w_uv.bfloat16())
+    assert exp.worth(n, older + n)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        got = exp.attend(0, n, rows.bfloat16(), 0.06)
+    q_nope, q_pe = queries.cpu().split([nope, rope], dim=-1)
+    q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk.cpu()), q_pe], dim=-1)
+    ref = LatentExpansion(queries.cpu(), w_uk.cpu(), w_uv.cpu())
+    want = ref.values(torch_ref.attend(q_abs, rows.cpu(), rows.cpu()[..., :rank], 0.06))
+    assert got.shape == (n, heads, vdim)
+    torch.testing.assert_close(got.cpu().float(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "snapkv"])
+def test_long_prompt_prefills_expanded_like_the_cpu(tmp_path, method, monkeypatch):
+    """A 600-token prompt in one chunk: on CUDA the rule picks the expanded form (512+
+    queries); tokens equal the CPU path's."""
+    from sparsevllm.attention.latent_expansion import LatentExpansion
+
+    model = save_tiny_mla("glm4_moe_lite", tmp_path / "m")
+    kwargs = dict(dtype="float32", chunk_prefill_size=1024, sparse_method=method)
+    if method == "snapkv":
+        kwargs.update(decode_keep_tokens=64, recent_keep_tokens=8, snapkv_pool_kernel_size=1)
+    prompts = [[1] + [(7 * i) % 250 + 3 for i in range(600)], PROMPTS[1]]
+    cpu = LLM(model, device="cpu", **kwargs).generate(prompts, GREEDY, use_tqdm=False)
+    calls = []
+    attend = LatentExpansion.attend
+
+    def counted(self, start, n, rows, scale):
+        calls.append((n, self.queries.is_cuda))
+        return attend(self, start, n, rows, scale)
+
+    monkeypatch.setattr(LatentExpansion, "attend", counted)
+    llm = LLM(model, device="cuda", kv_cache_memory_gb=1, **kwargs)
+    gpu = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    assert (601, True) in calls

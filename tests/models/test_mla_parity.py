@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sparsevllm import LLM, SamplingParams
+from sparsevllm.attention.latent_expansion import LatentExpansion
 from tiny_mla import MLA_KINDS, save_tiny_mla
 
 PROMPTS = [
@@ -101,3 +102,31 @@ def test_quantized_latent_rows(mla_model, hf_reference, fmt):
     assert all(len(o.token_ids) == 32 for o in outs)
     if fmt == "int8":
         assert [o.token_ids[:8] for o in outs] == [r[:8] for r in hf_reference["deepseek_v3"]]
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [{}, {"chunk_prefill_size": 5}, {"sparse_method": "snapkv", "decode_keep_tokens": 4096}],
+    ids=["one-chunk", "chunked", "snapkv-covering"],
+)
+@pytest.mark.parametrize("kind", MLA_KINDS)
+def test_expanded_prefill_keeps_outputs(mla_model, hf_reference, kind, engine_kwargs, monkeypatch):
+    """Prefill chunks attended in the expanded form (per-head K/V up-projected from the
+    latent rows; here every chunk of 2+ queries) give transformers' logits and tokens."""
+    calls = []
+    attend = LatentExpansion.attend
+
+    def counted(self, start, n, rows, scale):
+        calls.append(n)
+        return attend(self, start, n, rows, scale)
+
+    monkeypatch.setattr(LatentExpansion, "worth", lambda self, n, length: n > 1)
+    monkeypatch.setattr(LatentExpansion, "attend", counted)
+    hf = AutoModelForCausalLM.from_pretrained(mla_model(kind), dtype=torch.float32).eval()
+    llm = LLM(mla_model(kind), dtype="float32", **engine_kwargs)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[3]])).logits[0]
+    assert torch.allclose(llm.prompt_logits(PROMPTS[3]), ref, atol=1e-4, rtol=0)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_reference[kind]
+    assert calls and max(calls) > 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparsevllm.attention.latent_expansion import LatentExpansion
 from sparsevllm.attention.sparse_prefill import PrefillSparsity
 from sparsevllm.attention.sparse_step import SparseStep
 from sparsevllm.kv.format import KVFormat, KVStorage
@@ -143,12 +144,16 @@ class AttentionBackend(abc.ABC):
         batch: ForwardBatch,
         scale: float,
         window: int | None = None,
+        expansion: LatentExpansion | None = None,
     ) -> torch.Tensor:  # [T, num_heads, value_dim]
         """`window` (sliding-window layers): a query at view entry p sees only the
         entries p - window < j <= p, i.e. itself and the window - 1 before it.
 
         `value_dim` is `head_dim` except in a shared-KV layout (MLA), where `v` is the
-        first `value_dim` entries of `k` (kv/layout.py)."""
+        first `value_dim` entries of `k` (kv/layout.py). A latent layer that passes its
+        `expansion` gets every row's output up-projected to `[T, num_heads, Dv]`
+        instead, and chunks the expansion is worth for attend in the expanded form
+        (attention/latent_expansion.py)."""
 
 
 # name -> "module:Class", imported lazily so CPU installs never import Triton.

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
+from sparsevllm.attention.latent_expansion import LatentExpansion
 from sparsevllm.attention.sparse_prefill import attend_block_sparse, estimate_reference
 from sparsevllm.kv.format import KVStorage
 
@@ -33,12 +34,13 @@ class TorchRefBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         window: int | None = None,
+        expansion: LatentExpansion | None = None,
     ) -> torch.Tensor:
         group = batch.group_of_layer[layer]
         self.storage[layer].store(k, v, batch.slot_mapping[group])
         if window is None:  # sparse methods leave sliding-window layers alone
             batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
-        return self.attend_stored(layer, q, k, v, batch, scale, window)
+        return self.attend_stored(layer, q, k, v, batch, scale, window, expansion)
 
     def attend_stored(
         self,
@@ -49,6 +51,7 @@ class TorchRefBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         window: int | None = None,
+        expansion: LatentExpansion | None = None,
     ) -> torch.Tensor:  # [T, Hq, Dv]
         """`forward` after the new tokens are stored and the method has their queries
         (a kernel backend hands the steps its kernels do not serve over to this)."""
@@ -56,8 +59,10 @@ class TorchRefBackend(AttentionBackend):
         storage = self.storage[layer]
         picks = _selection(layer, q, batch) if window is None else None
         if picks is None and _batched_decode(layer, batch, window):
-            return attend_decode_batch(q, storage, batch, group, scale, window)
+            out = attend_decode_batch(q, storage, batch, group, scale, window)
+            return out if expansion is None else expansion.values(out)
         out = q.new_empty(*q.shape[:2], v.shape[-1])  # [T, Hq, Dv] (MLA: Dv < D)
+        expanded: list[tuple[int, int, torch.Tensor]] = []  # (start, n, [n, Hq, Dv_mla])
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
             view = batch.view(group, i)
             # Sparse methods leave sliding-window layers alone: no scores, no selection.
@@ -84,11 +89,14 @@ class TorchRefBackend(AttentionBackend):
                 k_i = torch.cat([k_i[:-n], k[own].to(k_i.dtype)])
                 v_i = torch.cat([v_i[:-n], v[own].to(v_i.dtype)])
             length = int(view.shape[0])
+            if selected is None and expansion is not None and expansion.worth(n, length):
+                expanded.append((start, n, expansion.attend(start, n, k_i, scale)))
+                continue
             if selected is None and self.sparse_prefill_applies(layer, n, length, window):
                 out[start : start + n] = self._attend_sparse(q_i, k_i, v_i, scale)
                 continue
             out[start : start + n] = attend(q_i, k_i, v_i, scale, window, key_mask)
-        return out
+        return out if expansion is None else _up_projected(expansion, out, expanded)
 
     def _attend_sparse(
         self,
@@ -102,6 +110,19 @@ class TorchRefBackend(AttentionBackend):
         assert cfg is not None
         count, index = estimate_reference(q, k, scale, cfg)
         return attend_block_sparse(q, k, v, scale, count, index, cfg.block_m, cfg.block_n)
+
+
+def _up_projected(
+    expansion: LatentExpansion,
+    out: torch.Tensor,  # [T, Hq, R]: the absorbed rows' outputs (the expanded ones unset)
+    expanded: list[tuple[int, int, torch.Tensor]],
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Every row's value: the absorbed rows through W_uv, the expanded chunks as they are
+    (their unset absorbed rows are projected too, row by row, then overwritten)."""
+    values = expansion.values(out)
+    for start, n, chunk in expanded:
+        values[start : start + n] = chunk
+    return values
 
 
 def _batched_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:

@@ -16,7 +16,7 @@ c_kv prefix): the new rows are written by `store_rows` (one buffer), and pure de
 batches run `decode_mla_attention` over the rows (heads packed per key tile; the same
 subset and scores hooks, so every served method runs on it, in a CUDA graph). Batches
 with prefill chunks go to the torch reference's attention over the stored rows (SDPA per
-sequence; prefill is compute-bound, and its absorbed form is exact): the reference also
+sequence; long chunks in the expanded form, attention/latent_expansion.py): the reference also
 serves those batches' decoding rows with the method's selection and scores.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.attention.backend import AttentionBackend, ForwardBatch
+from sparsevllm.attention.latent_expansion import LatentExpansion
 from sparsevllm.attention.sparse_prefill import PrefillSparsity, select_blocks
 from sparsevllm.attention.torch_ref import TorchRefBackend
 from sparsevllm.attention.triton import (
@@ -73,13 +74,14 @@ class TritonBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         window: int | None = None,
+        expansion: LatentExpansion | None = None,
     ) -> torch.Tensor:
         group = batch.group_of_layer[layer]
         storage = self.storage[layer]
         if storage.format.kernels == "kivi":
             return self.kivi.forward(layer, q, k, v, batch, scale, window)
         if _is_latent(storage):
-            return self._latent_forward(layer, q, k, v, batch, scale, window)
+            return self._latent_forward(layer, q, k, v, batch, scale, window, expansion)
         # Scales (None for the model dtype): the kernels quantize and dequantize with them.
         k_scale, v_scale = storage.k_scale, storage.v_scale
         store_kv(k, v, storage.k, storage.v, batch.slot_mapping[group], k_scale, v_scale)
@@ -229,18 +231,21 @@ class TritonBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         window: int | None,
-    ) -> torch.Tensor:  # [T, H, R]
+        expansion: LatentExpansion | None,
+    ) -> torch.Tensor:  # [T, H, R], or [T, H, Dv] with an expansion
         """A latent layer: store the rows; decode batches through the MLA kernel, batches
         with prefill chunks (and a window, which no MLA model has) through the reference
-        attention over the stored rows, which also applies the method's views and scores."""
+        attention over the stored rows, which also applies the method's views and scores
+        and attends long chunks in the expanded form (flash SDPA at 256 dims)."""
         storage = self.storage[layer]
         store_rows(k, storage.k, batch.slot_mapping[batch.group_of_layer[layer]], storage.k_scale)
         if window is None:
             batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
         if window is not None or not batch.decode_only:
-            return self.reference.attend_stored(layer, q, k, v, batch, scale, window)
+            return self.reference.attend_stored(layer, q, k, v, batch, scale, window, expansion)
         out = q.new_empty(*q.shape[:2], v.shape[-1])  # [S, H, R]
-        return self._decode(layer, q, batch, scale, out, window)
+        out = self._decode(layer, q, batch, scale, out, window)
+        return out if expansion is None else expansion.values(out)
 
     def _decode(
         self,

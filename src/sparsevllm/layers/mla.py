@@ -19,9 +19,11 @@ is absorbed through W_uk, so that attention is one-KV-head attention over the ro
     out_h    = W_uv_h (sum_t p_t c_kv_t)                  (= sum_t p_t v_h,t)
 
 and the attention backend sees a query `[T, Hq, R + P]`, a key row `[T, 1, R + P]`
-and its first R entries as the value. Prefill and decode both take this form, so what
-sparse methods see (one KV head whose keys are the latent rows; per query head
-attention probabilities, the true ones) is the same in every step.
+and its first R entries as the value. What sparse methods see (one KV head whose keys
+are the latent rows; per query head attention probabilities, the true ones) is this
+form in every step. Long prefill chunks attend in the equal expanded form (rows
+up-projected per head: attention/latent_expansion.py), which the backend picks per
+chunk from the chunk's length and view.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from sparsevllm.attention.backend import ForwardBatch
+from sparsevllm.attention.latent_expansion import LatentExpansion
 from sparsevllm.kv.layout import SlotLayout, latent_layout
 from sparsevllm.layers.linear import Projections
 from sparsevllm.layers.norm import RMSNorm
@@ -93,17 +96,21 @@ class MLAAttention(nn.Module):
         self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]  # x: [T, hidden]
-        q, latent = self._queries_and_latent(x, rotary, batch.positions)
+        q, q_heads, latent = self._queries_and_latent(x, rotary, batch.positions)
         v = latent[..., : self.rank]  # [T, 1, R]: the value is the row's c_kv part
-        o = batch.backend.forward(self.layer_idx, q, latent, v, batch, self.scale)  # [T, H, R]
-        w_uv = self._kv_b_heads()[1]  # [H, Dv, R]
-        o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, Dv]
+        # The backend attends decode rows absorbed and long prefill chunks expanded, and
+        # returns every row's value through W_uv.
+        expansion = LatentExpansion(q_heads, *self._kv_b_heads())
+        o = batch.backend.forward(
+            self.layer_idx, q, latent, v, batch, self.scale, expansion=expansion
+        )  # [T, H, Dv]
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 
     def _queries_and_latent(
         self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Absorbed queries `[T, H, R + P]` and latent rows `[T, 1, R + P]`."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Absorbed queries `[T, H, R + P]`, the queries `[T, H, Dn + P]` they absorb
+        (rope applied) and latent rows `[T, 1, R + P]`."""
         t = x.shape[0]
         if self.in_proj is not None:
             q, kv = self.in_proj(x)  # [T, q_lora_rank or H * (Dn + P)], [T, R + P]
@@ -122,7 +129,8 @@ class MLAAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv).unsqueeze(1), k_pe], dim=-1)
         w_uk = self._kv_b_heads()[0]  # [H, Dn, R]
         q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-        return torch.cat([q_abs, q_pe], dim=-1), latent
+        q_heads = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn + P]
+        return torch.cat([q_abs, q_pe], dim=-1), q_heads, latent
 
     def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's per-head up-projections: W_uk `[H, Dn, R]`, W_uv `[H, Dv, R]`."""
