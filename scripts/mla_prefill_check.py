@@ -36,23 +36,22 @@ def make_chunk(n: int, length: int, seed: int = 0) -> tuple[LatentExpansion, tor
     def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, device="cuda", generator=gen) * std).bfloat16()
 
-    queries = randn(n, HEADS, NOPE + ROPE)
+    q_nope, q_pe = randn(n, HEADS, NOPE), randn(n, HEADS, ROPE)
     w_uk = randn(HEADS, NOPE, RANK, std=RANK**-0.5)
     w_uv = randn(HEADS, VDIM, RANK, std=RANK**-0.5)
     rows = randn(length, 1, RANK + ROPE)
-    return LatentExpansion(queries, w_uk, w_uv), rows
+    return LatentExpansion(q_nope, q_pe, w_uk, w_uv), rows
 
 
 def absorbed(exp: LatentExpansion, rows: torch.Tensor) -> torch.Tensor:  # [n, H, Dv]
     """The absorbed form as the reference backend runs it, then W_uv."""
-    q_nope, q_pe = exp.queries.split([NOPE, ROPE], dim=-1)
-    q_abs = torch.einsum("thn,hnr->thr", q_nope, exp.w_uk)  # [n, H, R]
-    q = torch.cat([q_abs, q_pe], dim=-1)  # [n, H, R + P]
+    q_abs = torch.einsum("thn,hnr->thr", exp.q_nope, exp.w_uk)  # [n, H, R]
+    q = torch.cat([q_abs, exp.q_pe], dim=-1)  # [n, H, R + P]
     return exp.values(attend(q, rows, rows[..., :RANK], SCALE))
 
 
 def expanded(exp: LatentExpansion, rows: torch.Tensor) -> torch.Tensor:  # [n, H, Dv]
-    return exp.attend(0, exp.queries.shape[0], rows, SCALE)
+    return exp.attend(0, exp.q_nope.shape[0], rows, SCALE)
 
 
 def ms(fn: Any) -> float:

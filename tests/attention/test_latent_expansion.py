@@ -17,8 +17,8 @@ def _chunk(n: int, length: int) -> tuple[LatentExpansion, torch.Tensor, torch.Te
     w_uk = torch.randn(HEADS, NOPE, RANK, generator=gen) * RANK**-0.5
     w_uv = torch.randn(HEADS, VDIM, RANK, generator=gen) * RANK**-0.5
     rows = torch.randn(length, 1, RANK + ROPE, generator=gen)
-    exp = LatentExpansion(queries, w_uk, w_uv)
     q_nope, q_pe = queries.split([NOPE, ROPE], dim=-1)
+    exp = LatentExpansion(q_nope, q_pe, w_uk, w_uv)
     q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
     return exp, rows, q_abs
 
@@ -39,7 +39,8 @@ def test_the_choice_off_cuda_counts_flops() -> None:
     # paid back only by many queries per row.
     heads, rank, rope, nope, vdim = 20, 512, 64, 192, 256
     exp = LatentExpansion(
-        torch.empty(1, heads, nope + rope),
+        torch.empty(1, heads, nope),
+        torch.empty(1, heads, rope),
         torch.empty(heads, nope, rank),
         torch.empty(heads, vdim, rank),
     )

@@ -96,13 +96,14 @@ def test_expanded_prefill_runs_flash(older):
     w_uk = torch.randn(heads, nope, rank, device="cuda") * rank**-0.5
     w_uv = torch.randn(heads, vdim, rank, device="cuda") * rank**-0.5
     rows = torch.randn(older + n, 1, rank + rope, device="cuda")
-    exp = LatentExpansion(queries.bfloat16(), w_uk.bfloat16(), w_uv.bfloat16())
+    q_bf = queries.bfloat16().split([nope, rope], dim=-1)
+    exp = LatentExpansion(*q_bf, w_uk.bfloat16(), w_uv.bfloat16())
     assert exp.worth(n, older + n)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         got = exp.attend(0, n, rows.bfloat16(), 0.06)
     q_nope, q_pe = queries.cpu().split([nope, rope], dim=-1)
     q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk.cpu()), q_pe], dim=-1)
-    ref = LatentExpansion(queries.cpu(), w_uk.cpu(), w_uv.cpu())
+    ref = LatentExpansion(q_nope, q_pe, w_uk.cpu(), w_uv.cpu())
     want = ref.values(torch_ref.attend(q_abs, rows.cpu(), rows.cpu()[..., :rank], 0.06))
     assert got.shape == (n, heads, vdim)
     torch.testing.assert_close(got.cpu().float(), want, atol=3e-2, rtol=3e-2)
@@ -124,7 +125,7 @@ def test_long_prompt_prefills_expanded_like_the_cpu(tmp_path, method, monkeypatc
     attend = LatentExpansion.attend
 
     def counted(self, start, n, rows, scale):
-        calls.append((n, self.queries.is_cuda))
+        calls.append((n, self.q_nope.is_cuda))
         return attend(self, start, n, rows, scale)
 
     monkeypatch.setattr(LatentExpansion, "attend", counted)

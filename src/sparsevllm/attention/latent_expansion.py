@@ -48,7 +48,8 @@ class LatentExpansion:
     Given to `AttentionBackend.forward`, it changes the output contract: every row's
     output is the value `[T, H, Dv]` (absorbed rows pass through `values`)."""
 
-    queries: torch.Tensor  # [T, H, Dn + P]: the queries before absorption, rope applied
+    q_nope: torch.Tensor  # [T, H, Dn]: the queries before absorption
+    q_pe: torch.Tensor  # [T, H, P]: their rope part, rotated
     w_uk: torch.Tensor  # [H, Dn, R]
     w_uv: torch.Tensor  # [H, Dv, R]
 
@@ -58,11 +59,11 @@ class LatentExpansion:
     def worth(self, n: int, length: int) -> bool:
         """Whether a chunk of `n` queries over a view of `length` rows goes expanded."""
         heads, dn, rank = self.w_uk.shape
-        qk, dv = self.queries.shape[-1], self.w_uv.shape[1]  # Dn + P, Dv
-        expanded_bytes = 2 * length * heads * max(qk, dv) * self.queries.element_size()
+        qk, dv = dn + self.q_pe.shape[-1], self.w_uv.shape[1]  # Dn + P, Dv
+        expanded_bytes = 2 * length * heads * max(qk, dv) * self.q_nope.element_size()
         if expanded_bytes > MAX_EXPANDED_BYTES or n < MIN_EXPANDED_QUERIES:
             return False
-        if self.queries.is_cuda:
+        if self.q_nope.is_cuda:
             return n >= EXPANDED_QUERIES or length >= EXPANDED_VIEW
         # Elsewhere (not measured) the FLOP count decides: causal query-key pairs at
         # each form's cost, plus the up-projection of every row.
@@ -81,7 +82,8 @@ class LatentExpansion:
         """Causal attention of the batch's queries `start:start + n` (the view's last n
         entries) over the view, in the expanded form."""
         rank = self.w_uk.shape[-1]
-        q = self.queries[start : start + n]  # [n, H, Dn + P]
+        # Joined per chunk, not per step: decode steps never need the plain queries.
+        q = torch.cat([self.q_nope[start : start + n], self.q_pe[start : start + n]], dim=-1)
         rows = rows[:, 0].to(q.dtype)  # [L, R + P]
         c_kv, k_pe = rows[:, :rank], rows[:, rank:]  # [L, R], [L, P]
         k_nope = torch.einsum("lr,hnr->hln", c_kv, self.w_uk)  # [H, L, Dn]

@@ -96,11 +96,11 @@ class MLAAttention(nn.Module):
         self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]  # x: [T, hidden]
-        q, q_heads, latent = self._queries_and_latent(x, rotary, batch.positions)
+        q, (q_nope, q_pe), latent = self._queries_and_latent(x, rotary, batch.positions)
         v = latent[..., : self.rank]  # [T, 1, R]: the value is the row's c_kv part
         # The backend attends decode rows absorbed and long prefill chunks expanded, and
         # returns every row's value through W_uv.
-        expansion = LatentExpansion(q_heads, *self._kv_b_heads())
+        expansion = LatentExpansion(q_nope, q_pe, *self._kv_b_heads())
         o = batch.backend.forward(
             self.layer_idx, q, latent, v, batch, self.scale, expansion=expansion
         )  # [T, H, Dv]
@@ -108,9 +108,9 @@ class MLAAttention(nn.Module):
 
     def _queries_and_latent(
         self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Absorbed queries `[T, H, R + P]`, the queries `[T, H, Dn + P]` they absorb
-        (rope applied) and latent rows `[T, 1, R + P]`."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Absorbed queries `[T, H, R + P]`, the queries they absorb (`[T, H, Dn]` and
+        the rotated `[T, H, P]`) and latent rows `[T, 1, R + P]`."""
         t = x.shape[0]
         if self.in_proj is not None:
             q, kv = self.in_proj(x)  # [T, q_lora_rank or H * (Dn + P)], [T, R + P]
@@ -129,8 +129,7 @@ class MLAAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv).unsqueeze(1), k_pe], dim=-1)
         w_uk = self._kv_b_heads()[0]  # [H, Dn, R]
         q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-        q_heads = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn + P]
-        return torch.cat([q_abs, q_pe], dim=-1), q_heads, latent
+        return torch.cat([q_abs, q_pe], dim=-1), (q_nope, q_pe), latent
 
     def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's per-head up-projections: W_uk `[H, Dn, R]`, W_uv `[H, Dv, R]`."""
