@@ -94,13 +94,14 @@ def test_kernel_matches_masked_reference(heads, prefix, q_len, bm, bn, keep):
     check_kernel(heads, prefix, q_len, bm, bn, torch.float32, lists)
 
 
-def test_kernel_bf16_production_tiles():
+@pytest.mark.parametrize("d", [64, 128, 256])  # 256: Gemma 3's heads (2 pipeline stages)
+def test_kernel_bf16_production_tiles(d):
     cfg = sp.PrefillSparsity(1, 2, 1, 16)
 
     def lists(q, k_cache, table_row):
         return random_lists(2, 130, 450, cfg.block_m, cfg.block_n, 0.2, seed=3)
 
-    check_kernel((4, 2), 320, 130, cfg.block_m, cfg.block_n, torch.bfloat16, lists, d=64)
+    check_kernel((4, 2), 320, 130, cfg.block_m, cfg.block_n, torch.bfloat16, lists, d=d)
 
 
 def test_covering_lists_equal_dense_prefill():

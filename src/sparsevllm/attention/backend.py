@@ -58,6 +58,10 @@ class ForwardBatch:
     _padded_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False
     )
+    # contiguous_starts per layer group, built on first use in the step.
+    _contiguous_starts: dict[int, torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -87,6 +91,18 @@ class ForwardBatch:
             )
         return self._single_query_rows
 
+    def contiguous_starts(self, group: int) -> torch.Tensor:
+        """Per sequence, the first slot of its view in a layer group when the view is one
+        run of consecutive slots (position p in slot first + p), else -1: `[S]` int32,
+        computed on the device without a host sync, once per step. With the default
+        sequential slot order most prompts are one run, and kernels then address them
+        without reading the slot table."""
+        if group not in self._contiguous_starts:
+            self._contiguous_starts[group] = contiguous_view_starts(
+                self.tables[group], self.rows_t, self.view_lens_t[group], self.max_view_len(group)
+            )
+        return self._contiguous_starts[group]
+
     def padded_views(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every sequence's view in a layer group padded to the longest: slot ids
         `[S, Lmax]` (0 past a view's end) and where they are real `[S, Lmax]` bool. Built
@@ -99,6 +115,22 @@ class ForwardBatch:
             slots = self.tables[group, self.rows_t, : cols.shape[0]].long()  # [S, Lmax]
             self._padded_views[group] = (torch.where(real, slots, 0), real)
         return self._padded_views[group]
+
+
+def contiguous_view_starts(
+    table: torch.Tensor,  # [num_rows, max_len] int32 slot ids
+    rows: torch.Tensor,  # [S] int32
+    view_lens: torch.Tensor,  # [S] int32
+    max_view_len: int,
+) -> torch.Tensor:
+    """`[S]` int32: the first slot of each view that is one run of consecutive slots
+    (position p in slot first + p), -1 for any other view; on the device, no host sync."""
+    cols = torch.arange(max_view_len, device=table.device, dtype=torch.int32)  # [L]
+    slots = table[rows.long(), :max_view_len]  # [S, L]
+    first = slots[:, :1]  # [S, 1]
+    real = cols[None, :] < view_lens[:, None]  # [S, L]
+    off_run = (slots - first != cols[None, :]) & real
+    return torch.where(off_run.any(dim=1), -1, first[:, 0]).to(torch.int32)
 
 
 class AttentionBackend(abc.ABC):

@@ -154,6 +154,7 @@ class TritonBackend(AttentionBackend):
         group = batch.group_of_layer[layer]
         storage = self.storage[layer]
         rows, q_starts, lens = batch.rows_t, batch.q_starts_t, batch.view_lens_t[group]
+        run_starts = batch.contiguous_starts(group)
         q_lens = batch.q_lens
         token_rows = None
         if seqs is not None:
@@ -161,7 +162,7 @@ class TritonBackend(AttentionBackend):
             spans = [range(batch.q_starts[i], batch.q_starts[i] + batch.q_lens[i]) for i in seqs]
             token_rows = torch.tensor([t for span in spans for t in span], device=q.device)
             picked = torch.tensor(seqs, device=q.device)
-            rows, lens = rows[picked], lens[picked]
+            rows, lens, run_starts = rows[picked], lens[picked], run_starts[picked]
             starts = [0] + q_lens
             q_starts = torch.tensor(starts, device=q.device).cumsum(0).to(torch.int32)
             q, k, v = q[token_rows], k[token_rows], v[token_rows]
@@ -183,6 +184,7 @@ class TritonBackend(AttentionBackend):
             v_scale=v_scale,
             k_new=None if k_scale is None else k,
             v_new=None if k_scale is None else v,
+            contig_starts=run_starts,
         )
         if token_rows is not None:
             out[token_rows] = res

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sparsevllm.attention.triton._common import (
     LOG2E,
@@ -43,85 +44,169 @@ from sparsevllm.attention.triton._common import (
     next_pow2,
     scale_launch_args,
 )
+from sparsevllm.attention.triton.prefill_tile import dense_tile, prefill_tile_step
 
 
 @triton.jit
-def _load_scales(ptrs, n_mask, MASKED: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
-    """Scales of a key tile [BLOCK_N]; a ragged tile reads 0 past its end (slot 0 pads)."""
-    if MASKED:
-        sc = tl.load(ptrs, mask=n_mask, other=0.0)
-    else:
-        sc = tl.load(ptrs)
-    return sc
-
-
-@triton.jit
-def prefill_tile_step(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
+def _contiguous_tiles(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     q,
-    k_ptrs,
-    v_ptrs,
-    kv_mask,
-    ks_ptrs,
-    vs_ptrs,
-    n_mask,
-    kf_ptrs,
-    vf_ptrs,
-    fresh,
+    k_base,
+    v_base,
+    k_desc,
+    v_desc,
+    first_slot,
+    kvh,
+    lo,
+    full_end,
+    hi,
+    q_pos,
     m_i,
     l_i,
     acc,
     qk_scale,
-    visible,
+    window,
+    stride_kcs,
+    stride_vcs,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """The key tiles of a view held in consecutive slots from `first_slot` (a model-dtype
+    cache): view position p is slot first_slot + p, so no slot table is read. Fully
+    visible tiles load whole [BLOCK_N, D] rows (TMA: one bulk copy each, into shared
+    memory, off the warps' load path); the diagonal tiles are masked."""
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    dm = (offs_d < HEAD_DIM)[None, :]  # [1, BLOCK_D]
+    for j in range(lo, full_end, BLOCK_N):
+        if TMA:
+            k = k_desc.load([first_slot + j, kvh * HEAD_DIM])  # [BLOCK_N, D]
+            v = v_desc.load([first_slot + j, kvh * HEAD_DIM])
+        else:
+            slot = (first_slot + j + offs_n).to(tl.int64)  # [BLOCK_N]
+            k_ptrs = k_base + slot[:, None] * stride_kcs + offs_d[None, :]
+            v_ptrs = v_base + slot[:, None] * stride_vcs + offs_d[None, :]
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(k_ptrs)  # [BLOCK_N, BLOCK_D]
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=dm, other=0.0)
+                v = tl.load(v_ptrs, mask=dm, other=0.0)
+        m_i, l_i, acc = dense_tile(q, k, v, m_i, l_i, acc, qk_scale, DOT_PREC)
+    for j in range(full_end, hi, BLOCK_N):
+        offs = j + offs_n  # [BLOCK_N] key view positions
+        k_valid = offs < hi
+        slot = (first_slot + offs).to(tl.int64)
+        visible = (offs[None, :] <= q_pos[:, None]) & k_valid[None, :]  # [BLOCK_M, BLOCK_N]
+        if HAS_WINDOW:
+            visible = visible & (offs[None, :] > q_pos[:, None] - window)
+        m_i, l_i, acc = prefill_tile_step(
+            q,
+            k_base + slot[:, None] * stride_kcs + offs_d[None, :],
+            v_base + slot[:, None] * stride_vcs + offs_d[None, :],
+            k_valid[:, None] & dm,
+            None, None, k_valid, None, None, None,
+            m_i, l_i, acc, qk_scale, visible, DOT_PREC, True, False,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _table_tiles(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
+    q,
+    table_row,
+    k_base,
+    v_base,
+    ks_base,
+    vs_base,
+    kn_base,
+    vn_base,
+    q_start,
+    own_start,
+    lo,
+    full_end,
+    hi,
+    q_pos,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    window,
+    stride_kcs,
+    stride_vcs,
+    stride_kss,
+    stride_vss,
+    stride_knt,
+    stride_vnt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     QUANT: tl.constexpr,
 ):
-    """One key tile of the online softmax, shared by the dense and the block-sparse
-    prefill kernels; `visible` [BLOCK_M, BLOCK_N] only if MASKED.
-    With QUANT, `ks_ptrs`/`vs_ptrs` [BLOCK_N] point at the keys' scales (`n_mask`: the
-    loadable ones, read only if MASKED), and the keys where `fresh` [BLOCK_N] is set come
-    unscaled from `kf_ptrs`/`vf_ptrs` (the chunk's own K/V) instead of the cache."""
-    if QUANT:
-        own = fresh[:, None]  # [BLOCK_N, 1]
-        k = tl.where(
-            own,
-            tl.load(kf_ptrs, mask=kv_mask & own, other=0.0).to(q.dtype),
-            tl.load(k_ptrs, mask=kv_mask & ~own, other=0.0).to(q.dtype),
-        )  # [BLOCK_N, BLOCK_D]
-    else:
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
-    if QUANT:
-        k_sc = tl.where(fresh, 1.0, _load_scales(ks_ptrs, n_mask, MASKED))  # [BLOCK_N]
-        qk = qk * (k_sc * qk_scale)[None, :]
-    else:
-        qk = qk * qk_scale
-    if MASKED:
-        qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = m_new
-    if MASKED:
-        # A row may have seen no key yet (a tile before its window, or past a padded
-        # row's end): keep exp2 away from (-inf) - (-inf) but leave m at -inf, so the
-        # first visible key later sets the reference and nothing underflows.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(qk - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if QUANT:
-        own = fresh[:, None]
-        v = tl.where(
-            own,
-            tl.load(vf_ptrs, mask=kv_mask & own, other=0.0).to(q.dtype),
-            tl.load(v_ptrs, mask=kv_mask & ~own, other=0.0).to(q.dtype),
-        )  # [BLOCK_N, BLOCK_D]
-        v_sc = tl.where(fresh, 1.0, _load_scales(vs_ptrs, n_mask, MASKED))  # [BLOCK_N]
-        pv = (p * v_sc[None, :]).to(q.dtype)  # l_i keeps the unscaled sum
-    else:
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        pv = p.to(v.dtype)
-    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
-    return m_new, l_i, acc
+    """The key tiles of any view, each tile's slots read from the slot table row."""
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    dm = (offs_d < HEAD_DIM)[None, :]  # [1, BLOCK_D]
+    for j in range(lo, full_end, BLOCK_N):
+        offs = j + offs_n  # [BLOCK_N] key view positions
+        slot = tl.load(table_row + offs).to(tl.int64)  # [BLOCK_N]; < full_end <= L
+        new_row = tl.maximum(q_start + offs - own_start, 0).to(tl.int64)
+        m_i, l_i, acc = prefill_tile_step(
+            q,
+            k_base + slot[:, None] * stride_kcs + offs_d[None, :],
+            v_base + slot[:, None] * stride_vcs + offs_d[None, :],
+            dm,
+            ks_base + slot * stride_kss,
+            vs_base + slot * stride_vss,
+            None,
+            kn_base + new_row[:, None] * stride_knt + offs_d[None, :],
+            vn_base + new_row[:, None] * stride_vnt + offs_d[None, :],
+            offs >= own_start,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            None,
+            DOT_PREC,
+            False,
+            QUANT,
+        )
+    for j in range(full_end, hi, BLOCK_N):
+        offs = j + offs_n  # [BLOCK_N] key view positions
+        k_valid = offs < hi
+        slot = tl.load(table_row + offs, mask=k_valid, other=0).to(tl.int64)
+        new_row = tl.maximum(q_start + offs - own_start, 0).to(tl.int64)
+        # Padded query rows (offs_m >= q_len) have q_pos >= hi: they see every loaded
+        # key, stay finite, and are never stored.
+        visible = (offs[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs[None, :] > q_pos[:, None] - window)
+        m_i, l_i, acc = prefill_tile_step(
+            q,
+            k_base + slot[:, None] * stride_kcs + offs_d[None, :],
+            v_base + slot[:, None] * stride_vcs + offs_d[None, :],
+            k_valid[:, None] & dm,
+            ks_base + slot * stride_kss,
+            vs_base + slot * stride_vss,
+            k_valid,
+            kn_base + new_row[:, None] * stride_knt + offs_d[None, :],
+            vn_base + new_row[:, None] * stride_vnt + offs_d[None, :],
+            (offs >= own_start) & k_valid,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            visible,
+            DOT_PREC,
+            True,
+            QUANT,
+        )
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -157,6 +242,9 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
     stride_tr,
     stride_ot,
     stride_oh,
+    contig_ptr,
+    k_desc,
+    v_desc,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -165,8 +253,16 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
     DOT_PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     QUANT: tl.constexpr,
+    RUNS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """Program (query head, query block, sequence)."""
+    """Program (query head, query block, sequence). `contig_ptr` [S] holds each view's
+    first slot when the view is one run of consecutive slots, else -1. RUNS = 0: every
+    view through the slot table (contig_ptr unread); 1: only the one-run views, each
+    addressed as first slot + position with no table reads (with TMA, its fully visible
+    tiles come through the descriptors `k_desc`/`v_desc` over the caches as
+    [num_slots, Hkv * D]); 2: only the other views, through the table. A launch pair
+    (1, 2) covers every view, each half compiled without the other's path."""
     h = tl.program_id(0)
     # Heaviest (last) query blocks first: causal work grows with the block index, and
     # starting the long ones early shortens the tail of the launch.
@@ -174,12 +270,18 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
     s = tl.program_id(2)
     q_start = tl.load(q_starts_ptr + s)
     q_len = tl.load(q_starts_ptr + s + 1) - q_start
-    if mb * BLOCK_M < q_len:
+    first_slot = 0
+    mine = mb * BLOCK_M < q_len
+    if RUNS == 1:
+        first_slot = tl.load(contig_ptr + s)
+        mine = mine & (first_slot >= 0)
+    if RUNS == 2:
+        mine = mine & (tl.load(contig_ptr + s) < 0)
+    if mine:
         view_len = tl.load(lens_ptr + s)
         row = tl.load(rows_ptr + s).to(tl.int64)
         kvh = h // GROUP
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index in the chunk
-        offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
         offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
         m_mask = offs_m < q_len
         d_mask = offs_d < HEAD_DIM
@@ -216,81 +318,43 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
         # View positions >= own_start are the chunk's own tokens; a single query has none.
         own_start = tl.where(q_len > 1, view_len - q_len, view_len)
         dm = d_mask[None, :]
-        for j in range(lo, full_end, BLOCK_N):
-            offs = j + offs_n  # [BLOCK_N] key view positions
-            slot = tl.load(table_row + offs).to(tl.int64)  # [BLOCK_N]; < full_end <= L
-            new_row = tl.maximum(q_start + offs - own_start, 0).to(tl.int64)
-            m_i, l_i, acc = prefill_tile_step(
-                q,
-                k_base + slot[:, None] * stride_kcs + offs_d[None, :],
-                v_base + slot[:, None] * stride_vcs + offs_d[None, :],
-                dm,
-                ks_base + slot * stride_kss,
-                vs_base + slot * stride_vss,
-                None,
-                kn_base + new_row[:, None] * stride_knt + offs_d[None, :],
-                vn_base + new_row[:, None] * stride_vnt + offs_d[None, :],
-                offs >= own_start,
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                None,
-                DOT_PREC,
-                False,
-                QUANT,
-            )
-        for j in range(full_end, hi, BLOCK_N):
-            offs = j + offs_n  # [BLOCK_N] key view positions
-            k_valid = offs < hi
-            slot = tl.load(table_row + offs, mask=k_valid, other=0).to(tl.int64)
-            new_row = tl.maximum(q_start + offs - own_start, 0).to(tl.int64)
-            # Padded query rows (offs_m >= q_len) have q_pos >= hi: they see every loaded
-            # key, stay finite, and are never stored.
-            visible = (offs[None, :] <= q_pos[:, None]) & k_valid[None, :]
-            if HAS_WINDOW:
-                visible = visible & (offs[None, :] > q_pos[:, None] - window)
-            m_i, l_i, acc = prefill_tile_step(
-                q,
-                k_base + slot[:, None] * stride_kcs + offs_d[None, :],
-                v_base + slot[:, None] * stride_vcs + offs_d[None, :],
-                k_valid[:, None] & dm,
-                ks_base + slot * stride_kss,
-                vs_base + slot * stride_vss,
-                k_valid,
-                kn_base + new_row[:, None] * stride_knt + offs_d[None, :],
-                vn_base + new_row[:, None] * stride_vnt + offs_d[None, :],
-                (offs >= own_start) & k_valid,
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                visible,
-                DOT_PREC,
-                True,
-                QUANT,
-            )
-
+        if RUNS == 1:
+            m_i, l_i, acc = _contiguous_tiles(
+                q, k_base, v_base, k_desc, v_desc, first_slot, kvh, lo, full_end, hi, q_pos,
+                m_i, l_i, acc, qk_scale, window, stride_kcs, stride_vcs, HEAD_DIM, BLOCK_N,
+                BLOCK_D, DOT_PREC, HAS_WINDOW, TMA,
+            )  # fmt: skip
+        else:
+            m_i, l_i, acc = _table_tiles(
+                q, table_row, k_base, v_base, ks_base, vs_base, kn_base, vn_base, q_start,
+                own_start, lo, full_end, hi, q_pos, m_i, l_i, acc, qk_scale, window,
+                stride_kcs, stride_vcs, stride_kss, stride_vss, stride_knt, stride_vnt,
+                HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PREC, HAS_WINDOW, QUANT,
+            )  # fmt: skip
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dm)
 
 
-def prefill_config(head_dim: int, max_q_len: int, dtype: torch.dtype) -> dict[str, int]:
+def prefill_config(
+    head_dim: int, max_q_len: int, dtype: torch.dtype, one_run: bool = False
+) -> dict[str, int]:
     """Tile sizes and launch options, tuned on an H200 (32K causal prompt, bf16).
 
-    D=128: 256x64 tiles, 8 warps, 3 stages gave 427 TFLOP/s (128x128: 384, 128x64: 320);
-    short chunks keep 128-row blocks so little of a block is padding. D=64: 128x64,
-    8 warps: 375 TFLOP/s. 4-byte caches (tests, debugging) need half the shared memory
-    per element and take small tiles, as does the untuned D>128 case. `dtype` is the
-    dots' operand dtype: the cache's, or the query's for a quantized cache.
+    D=128 through the slot table: 256x64 tiles, 8 warps, 3 stages gave 405 TFLOP/s
+    (128x128: 366); views in one run of slots (`one_run`, TMA tiles): 128x128 gave 540
+    (256x64: 502; docs/benchmarks/h200/prefill_kernels.json). Short chunks keep 128-row
+    blocks so little of a block is padding. D=64: 128x64, 8 warps: 375 TFLOP/s. 4-byte
+    caches (tests, debugging) need half the shared memory per element and take small
+    tiles, as does the untuned D>128 case. `dtype` is the dots' operand dtype: the
+    cache's, or the query's for a quantized cache.
     """
     block_d = next_pow2(max(head_dim, 16))
     if torch.empty((), dtype=dtype).element_size() > 2 or block_d > 128:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if block_d <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    if max_q_len >= 1024:
+    if max_q_len >= 1024 and not one_run:
         return dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
@@ -316,6 +380,7 @@ def prefill_attention(
     v_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32
     k_new: torch.Tensor | None = None,  # [T, Hkv, D] the forward's own K (model dtype)
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
+    contig_starts: torch.Tensor | None = None,  # [S] int32 first slot of a one-run view, or -1
 ) -> torch.Tensor:
     """Causal attention of every chunk query over its view; writes and returns `out`.
 
@@ -325,6 +390,10 @@ def prefill_attention(
     `k_scale`/`v_scale` go with (and only with) an int8 or float8_e4m3fn cache: value =
     element * scale of its (slot, KV head), as kv.scaled.dequantize; with them go
     `k_new`/`v_new`, the K/V the chunks' queries read for their own tokens (see above).
+    `contig_starts` (`ForwardBatch.contiguous_starts`) lets views held in consecutive
+    slots skip the slot table (model-dtype caches; ignored for quantized ones): two
+    launches then split the sequences, one-run views and the others, each launch built
+    for its own path and tiles (programs of the other half return at once).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -338,49 +407,56 @@ def prefill_attention(
         raise ValueError("q_starts must be [S + 1] and view_lens [S]")
     if num_tokens == 0 or num_seqs == 0 or max_q_len <= 0:
         return out
-    cfg = prefill_config(head_dim, max_q_len, compute_dtype)
-    for key, value in (
-        ("BLOCK_M", block_m),
-        ("BLOCK_N", block_n),
-        ("num_warps", num_warps),
-        ("num_stages", num_stages),
-    ):
-        if value is not None:
-            cfg[key] = value
-    grid = (num_q_heads, triton.cdiv(max_q_len, cfg["BLOCK_M"]), num_seqs)
-    _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        table,
-        rows,
-        q_starts,
-        view_lens,
-        out,
+    overrides = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    args = [
+        q, k_cache, v_cache, table, rows, q_starts, view_lens, out,
         *scale_launch_args(k_scale, v_scale, rows),
-        k_new,
-        v_new,
-        k_new.stride(0),
-        k_new.stride(1),
-        v_new.stride(0),
-        v_new.stride(1),
-        float(scale) * LOG2E,
-        int(window or 0),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        table.stride(0),
-        out.stride(0),
-        out.stride(1),
+        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        float(scale) * LOG2E, int(window or 0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        table.stride(0), out.stride(0), out.stride(1),
+    ]  # fmt: skip
+    consts = dict(
         HEAD_DIM=head_dim,
         GROUP=num_q_heads // num_kv_heads,
         BLOCK_D=next_pow2(max(head_dim, 16)),
         DOT_PREC=dot_precision(compute_dtype),
         HAS_WINDOW=window is not None,
         QUANT=quantized,
-        **cfg,
     )
+    modes = (1, 2) if contig_starts is not None and not quantized else (0,)
+    for mode in modes:
+        cfg = prefill_config(head_dim, max_q_len, compute_dtype, one_run=mode == 1)
+        cfg.update({key: value for key, value in overrides.items() if value is not None})
+        descs = _tma_descriptors(k_cache, v_cache, cfg["BLOCK_N"]) if mode == 1 else None
+        grid = (num_q_heads, triton.cdiv(max_q_len, cfg["BLOCK_M"]), num_seqs)
+        _prefill_kernel[grid](
+            *args,
+            rows if contig_starts is None else contig_starts,
+            *(descs or (k_cache, v_cache)),
+            RUNS=mode,
+            TMA=descs is not None,
+            **consts,
+            **cfg,
+        )
     return out
+
+
+def _tma_descriptors(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int
+) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """Bulk-copy (TMA) descriptors over the caches as [num_slots, Hkv * D] with
+    [block_n, D] boxes, where the hardware and the layout allow them: a Hopper or newer
+    GPU, 16-bit elements, contiguous caches and a power-of-two head_dim."""
+    head_dim = k_cache.shape[-1]
+    if (
+        not k_cache.is_cuda
+        or torch.cuda.get_device_capability(k_cache.device)[0] < 9
+        or k_cache.element_size() != 2
+        or head_dim != next_pow2(head_dim)
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        return None
+    flat = [c.view(c.shape[0], -1) for c in (k_cache, v_cache)]  # [num_slots, Hkv * D]
+    k_desc, v_desc = (TensorDescriptor.from_tensor(c, [block_n, head_dim]) for c in flat)
+    return k_desc, v_desc

@@ -28,7 +28,7 @@ from sparsevllm.attention.triton._common import (
     dot_precision,
     next_pow2,
 )
-from sparsevllm.attention.triton.prefill import prefill_tile_step
+from sparsevllm.attention.triton.prefill_tile import prefill_tile_step
 
 # Key blocks one estimation program scans: enough to amortise loading its query rows.
 MASS_BLOCKS_PER_PROGRAM = 16
@@ -120,11 +120,15 @@ def _prefill_sparse_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dm)
 
 
-def sparse_config(dtype: torch.dtype) -> dict[str, int]:
+def sparse_config(dtype: torch.dtype, block_d: int) -> dict[str, int]:
     """Launch options: the dense kernel's 8 warps / 3 stages for 16-bit caches; 4-byte
-    caches (tests, debugging) need twice the shared memory per tile and take 2 stages."""
+    caches (tests, debugging) need twice the shared memory per tile and take 1 stage.
+    Heads wider than 128 (Gemma 3: 256) take 2 stages: a 128 x 256 query tile and three
+    64 x 256 K/V stages would need 256 KB of shared memory, over the H200's 227 KB."""
     if torch.empty((), dtype=dtype).element_size() > 2:
         return dict(num_warps=4, num_stages=1)
+    if block_d > 128:
+        return dict(num_warps=8, num_stages=2)
     return dict(num_warps=8, num_stages=3)
 
 
@@ -165,6 +169,7 @@ def prefill_sparse_attention(
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
     if n == 0:
         return out
+    block_d = next_pow2(max(head_dim, 16))
     _prefill_sparse_kernel[(num_q_heads, num_qb)](
         q, k_cache, v_cache, table_row, block_count, block_index, out,
         n, view_len, float(scale) * LOG2E,
@@ -175,9 +180,9 @@ def prefill_sparse_attention(
         GROUP=num_q_heads // num_kv_heads,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=next_pow2(max(head_dim, 16)),
+        BLOCK_D=block_d,
         DOT_PREC=dot_precision(k_cache.dtype),
-        **sparse_config(k_cache.dtype),
+        **sparse_config(k_cache.dtype, block_d),
     )  # fmt: skip
     return out
 
