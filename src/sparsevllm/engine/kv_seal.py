@@ -44,7 +44,14 @@ class KVSealer:
         }
         self.device = storage[0].device
         self.tails: dict[int, list[int]] = {}  # seq_id -> per pool group
-        for g in self.storages:
+        # Every group whose storage keeps state beside its slots hears of freed slots
+        # (KIVI's residual rows and key groups, DeltaKV's full rows: kv/format.py).
+        self.releasers = {
+            g: [storage[layer] for layer in pool.layer_groups[g]]
+            for g in range(pool.num_main_groups)
+            if storage[pool.layer_groups[g][0]].tracks_frees
+        }
+        for g in self.releasers:
             pool.on_free(g, partial(self._release, g))
 
     @property
@@ -54,7 +61,7 @@ class KVSealer:
     def _release(self, group: int, slots: list[int]) -> None:
         """The pool freed `slots` of `group`: their residual rows and key groups go back."""
         at = upload(slots, torch.long, self.device)
-        for storage in self.storages[group]:
+        for storage in self.releasers[group]:
             storage.release(at)
 
     def _tails(self, seq_id: int) -> list[int]:

@@ -39,7 +39,13 @@ T = TypeVar("T")
 # CLI forms, e.g. a list or a comma-separated string for a tuple, are converted first.
 SettingValue: TypeAlias = int | float | bool | str | tuple[int, ...] | None
 
-FAMILIES = ("dense", "physical_eviction", "logical_masking", "query_aware_selection")
+FAMILIES = (
+    "dense",
+    "physical_eviction",
+    "logical_masking",
+    "query_aware_selection",
+    "compression",
+)
 PREFILL_POLICIES = ("all_chunked", "long_bs1full_short_batch")
 # Engine settings every budgeted method reads (EngineConfig fields, shared by methods).
 SHARED_DEFAULTS: dict[str, int] = {
