@@ -169,13 +169,6 @@ class DeltaKV(SparseMethod):
     ) -> None:
         super().__init__(config, num_layers, num_kv_heads, layers)
         self.info = _read_checkpoint(self.knobs.deltakv_checkpoint)
-        spec = self.info.spec
-        if spec.layers != self.layers or spec.num_kv_heads != num_kv_heads:
-            raise ValueError(
-                f"{self.info.path} compresses layers {list(spec.layers)} with "
-                f"{spec.num_kv_heads} KV heads; this model's managed layers are "
-                f"{list(self.layers)} with {num_kv_heads} KV heads"
-            )
         self.compressor: DeltaKVCompressor | None = None
         self.codecs: dict[int, TokenCodec] = {}
         self.storages: dict[int, DeltaKVStorage] = {}
@@ -183,6 +176,16 @@ class DeltaKV(SparseMethod):
     def bind_model(self, model: ModelIdentity) -> None:
         """Load the compressor, refusing one trained for another model."""
         self.compressor, _ = load_compressor(self.knobs.deltakv_checkpoint, model)
+        self._check_shape()
+
+    def _check_shape(self) -> None:
+        spec = self.info.spec
+        if spec.layers != self.layers or spec.num_kv_heads != self.num_kv_heads:
+            raise ValueError(
+                f"{self.info.path} compresses layers {list(spec.layers)} with "
+                f"{spec.num_kv_heads} KV heads; this model's managed layers are "
+                f"{list(self.layers)} with {self.num_kv_heads} KV heads"
+            )
 
     # -- storage ----------------------------------------------------------------------
     def storage_format(self, base: KVFormat) -> KVFormat:
@@ -213,8 +216,9 @@ class DeltaKV(SparseMethod):
             self.codecs[layer], self.storages[layer] = codec, storage
 
     def _loaded(self) -> DeltaKVCompressor:
-        if self.compressor is None:
+        if self.compressor is None:  # no model identity was given (harnesses)
             self.compressor, _ = load_compressor(self.knobs.deltakv_checkpoint)
+            self._check_shape()
         return self.compressor
 
     def _sink(self) -> int:
@@ -279,10 +283,13 @@ class DeltaKV(SparseMethod):
     ) -> torch.Tensor | None:
         """Every full-precision token plus the `deltakv_topk` compressed ones whose base
         key scores best against the query (summed over query heads): `[B]` positions."""
+        topk = self.knobs.deltakv_topk
+        if not topk:
+            return None
         storage = self.storages[layer]
         view = batch.view(batch.group_of_layer[layer], row)[:-1].long()  # [L] context
         compressed = (~storage.is_full(view)).nonzero().flatten()  # [m]
-        if compressed.numel() <= self.knobs.deltakv_topk:
+        if compressed.numel() <= topk:
             return None
         slots = view[compressed]
         refs = storage.refs[slots].long()  # [m, R]
@@ -292,7 +299,7 @@ class DeltaKV(SparseMethod):
         group = q.shape[0] // base.shape[1]
         qf = q.float().view(base.shape[1], group, -1)  # [Hkv, G, D]
         score = torch.einsum("mhd,hgd->m", base, qf)  # [m]
-        best = compressed[score.topk(self.knobs.deltakv_topk).indices]
+        best = compressed[score.topk(topk).indices]
         keep = storage.is_full(view).clone()
         keep[best] = True
         return keep.nonzero().flatten()
@@ -316,6 +323,7 @@ SPEC = MethodSpec(
     budget_fields=("sink_keep_tokens", "recent_keep_tokens"),
     prefix_cache=True,  # every token stays, in view order: radix prefixes are plain
     chain_cache=True,
+    prunable=False,  # view index = position, and centers must stay for their referrers
     kv_formats=("auto",),  # the full rows hold the model dtype
     refused_layouts={
         "mla_latent": "DeltaKV compresses per-head K and V (an MLA latent row is "
