@@ -34,14 +34,16 @@ def make_checkpoint(
     stride: int = 5,
     references: int = 4,
     seed: int = 0,
+    layers: tuple[int, ...] | None = None,
 ) -> str:
     """A random linear compressor for the tiny model at `model_dir` (its up map scaled
-    down so reconstructions stay near the references' mean, like a trained one)."""
+    down so reconstructions stay near the references' mean, like a trained one) of
+    `layers` (default: all of them; a model with sliding-window layers names its others)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    layers = tuple(range(cfg.num_hidden_layers))
+    layers = tuple(range(cfg.num_hidden_layers)) if layers is None else layers
     spec = DeltaKVSpec(
         layers=layers,
         num_kv_heads=cfg.num_key_value_heads,

@@ -142,3 +142,29 @@ def test_pruning_a_deltakv_history_is_refused(model, checkpoint):
     run_request(llm.engine, FIRST, GREEDY, "c")
     with pytest.raises(ValueError, match="pruning is not supported with deltakv"):
         llm.prune("c", ranges=[(20, 120)], keep_ratio=0.5, method="knorm")
+
+
+def test_sliding_window_models_compress_their_global_layers(tmp_path):
+    """Gemma 3: the global layers are DeltaKV's; the sliding ones keep their window
+    (chains) or, under radix caching, the whole history in the model dtype."""
+    from tiny_gemma3 import save_tiny_gemma3
+
+    model = save_tiny_gemma3(tmp_path / "gemma3")
+    ckpt = make_checkpoint(model, tmp_path / "g.safetensors", layers=(1, 3))
+    vanilla = tokens(LLM(model, chunk_prefill_size=16))
+    covering = deltakv(model, ckpt, recent_keep_tokens=1024, chunk_prefill_size=16)
+    assert tokens(covering) == vanilla
+    chains = deltakv(model, ckpt, prefix_cache_mode="chain", chunk_prefill_size=16)
+    assert all(len(t) == GREEDY.max_tokens for t in tokens(chains))
+    assert [type(s).__name__ for s in chains.engine.runner.kv_storage] == [
+        "DenseStorage",
+        "DeltaKVStorage",
+        "DenseStorage",
+        "DeltaKVStorage",
+    ]
+    radix = deltakv(model, ckpt, chunk_prefill_size=16)
+    assert tokens(radix) == tokens(chains)  # the same storage of the global layers
+    assert [type(s).__name__ for s in radix.engine.runner.kv_storage][:2] == [
+        "DenseStorage",
+        "DeltaKVStorage",
+    ]

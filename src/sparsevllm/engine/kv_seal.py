@@ -46,11 +46,12 @@ class KVSealer:
         self.tails: dict[int, list[int]] = {}  # seq_id -> per pool group
         # Every group whose storage keeps state beside its slots hears of freed slots
         # (KIVI's residual rows and key groups, DeltaKV's full rows: kv/format.py).
-        self.releasers = {
-            g: [storage[layer] for layer in pool.layer_groups[g]]
+        # A group may mix formats (radix caching puts sliding layers beside a method's).
+        tracking = {
+            g: [storage[layer] for layer in pool.layer_groups[g] if storage[layer].tracks_frees]
             for g in range(pool.num_main_groups)
-            if storage[pool.layer_groups[g][0]].tracks_frees
         }
+        self.releasers = {g: found for g, found in tracking.items() if found}
         for g in self.releasers:
             pool.on_free(g, partial(self._release, g))
 

@@ -183,7 +183,7 @@ class MethodSet:
 
     def finish_view(self, seq_id: int) -> None:
         """The prefix store is about to adopt `seq_id`'s view (`SparseMethod.finish_view`)."""
-        if self._runner_kv is None:
+        if self._runner_kv is None or not self._runner_kv.pool.has(seq_id):
             return
         method = self.of(seq_id)
         method.finish_view(seq_id, self._kv[id(method)])

@@ -198,13 +198,6 @@ class DeltaKV(SparseMethod):
 
     def attach_storage(self, storages: Sequence[KVStorage], kv: KVAccess) -> None:
         compressor = self._loaded()
-        stray = [i for i, s in enumerate(storages) if i not in self.layers and s.tracks_frees]
-        if stray:
-            raise ValueError(
-                f"deltakv cannot serve sliding-window layers {stray} in its storage: radix "
-                "prefix caching keeps them in the main group; use prefix_cache_mode='chain' "
-                "or enable_prefix_caching=False on this model"
-            )
         for layer in self.layers:
             storage = storages[layer]
             if not isinstance(storage, DeltaKVStorage):
