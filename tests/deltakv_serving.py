@@ -29,7 +29,7 @@ from sparsevllm.deltakv.spec import DeltaKVSpec
 def make_checkpoint(
     model_dir: str,
     path: Path,
-    latent: int = 16,
+    latent: int | tuple[int, ...] = 16,
     sink: int = 4,
     stride: int = 5,
     references: int = 4,
@@ -48,7 +48,7 @@ def make_checkpoint(
         layers=layers,
         num_kv_heads=cfg.num_key_value_heads,
         head_dim=head_dim,
-        latent_dims=(latent,) * len(layers),
+        latent_dims=(latent,) * len(layers) if isinstance(latent, int) else latent,
         sink_tokens=sink,
         center_stride=stride,
         num_references=references,

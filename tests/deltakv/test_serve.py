@@ -74,6 +74,15 @@ def test_tokens_equal_the_plain_reference(model, checkpoint, bits, chunk):
     assert differs  # compression changed what the model read
 
 
+def test_layers_of_different_latent_widths(model, tmp_path):
+    """The slots are as wide as the widest layer's code; narrower layers use a prefix."""
+    ckpt = make_checkpoint(model, tmp_path / "w.safetensors", latent=(8, 16, 4, 16))
+    prompt = MATRIX_PROMPTS[0]
+    out = deltakv(model, ckpt).generate([prompt], GREEDY, use_tqdm=False)[0]
+    ref = ReferenceServing(model, ckpt, RECENT)
+    assert_same(out, ref.generate(prompt, 512, GREEDY.max_tokens), ref)
+
+
 def test_stored_reconstructions_equal_the_definition(model, checkpoint):
     """Prefill one prompt (its K/V exact: one chunk), let the request finish (its view is
     compressed whole) and read the cached prefix back from every layer's storage."""

@@ -65,7 +65,7 @@ class LatentDecoder(Protocol):
 
     def decode(
         self,
-        codes: torch.Tensor,  # [n, latent_bytes] uint8
+        codes: torch.Tensor,  # [n, latent_bytes] uint8 (a layer may use a prefix)
         ref_k: torch.Tensor,  # [n, R, Hkv, D] post-RoPE, model dtype
         ref_v: torch.Tensor,  # [n, R, Hkv, D]
         ref_pos: torch.Tensor,  # [n, R] int64
@@ -228,7 +228,7 @@ class DeltaKVStorage(KVStorage):
         self,
         slots: torch.Tensor,  # [n] full tokens to compress
         positions: torch.Tensor,  # [n]
-        codes: torch.Tensor,  # [n, latent_bytes] uint8
+        codes: torch.Tensor,  # [n, <= latent_bytes] uint8
         ref_slots: torch.Tensor,  # [n, R] full tokens they refer to
         ref_positions: torch.Tensor,  # [n, R]
     ) -> None:
@@ -240,7 +240,8 @@ class DeltaKVStorage(KVStorage):
             raise RuntimeError("DeltaKV compresses full tokens against full references only")
         self._ref(ref_rows)
         self.row_pos[ref_rows.reshape(-1)] = ref_positions.reshape(-1).int()
-        self.latent[slots] = codes
+        # A layer narrower than the widest (the format's width) fills a prefix.
+        self.latent[slots, : codes.shape[1]] = codes
         self.refs[slots] = ref_rows.int()
         self.pos[slots] = positions.int()
         self.state[slots] = COMPRESSED

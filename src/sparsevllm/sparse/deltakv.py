@@ -110,7 +110,9 @@ class TokenCodec:
         return torch.cat([packed.codes, params], dim=1)
 
     def latents(self, codes: torch.Tensor) -> torch.Tensor:
-        """Stored bytes `[n, code_bytes]` -> latents `[n, r]` float32."""
+        """Stored bytes `[n, >= code_bytes]` -> latents `[n, r]` float32 (a layer narrower
+        than the widest one uses a prefix of its slot's bytes)."""
+        codes = codes[:, : self.code_bytes()]
         if self.bits == 16:
             return codes.contiguous().view(torch.float16).float()
         half = self.width // 2
