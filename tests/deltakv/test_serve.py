@@ -5,8 +5,10 @@ equal a plain Hugging Face loop that swaps in reconstructed K/V (tests/deltakv_s
 with chunked prefill, radix reuse and chain continuation; the KV takes fewer bytes.
 
 A chunk reads its own K/V as computed and older tokens as stored, so each comparison
-runs the reference with the same chunk boundaries; a finished request's view is
-compressed whole before the prefix store adopts it (the reference's `flush`).
+runs the reference with the same chunk boundaries. A finished request's view is
+compressed whole before the prefix store adopts it (the reference's `flush`), and so is
+the prefix after a prompt chunk that does not end the prompt: a radix hit then reads
+exactly what recomputing with a chunk boundary at the cached prefix's end reads.
 """
 
 from __future__ import annotations
@@ -53,15 +55,24 @@ def assert_same(out, ref_tokens: list[int], ref: ReferenceServing) -> None:
     assert logprobs(out) == pytest.approx(ref.logprobs, abs=1e-4)
 
 
-def test_budgets_covering_the_context_give_vanilla(model, checkpoint):
-    vanilla = LLM(model, chunk_prefill_size=7).generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
-    llm = deltakv(model, checkpoint, recent_keep_tokens=1024, chunk_prefill_size=7)
+@pytest.mark.parametrize(
+    "chunk,budget",
+    [
+        (512, dict(recent_keep_tokens=1024)),  # one chunk per prompt: all stays recent
+        # Chunks: a chunk that does not end the prompt leaves its prefix compressed (the
+        # form of a cached prefix), except the first sink_keep_tokens.
+        (7, dict(sink_keep_tokens=1024, decode_keep_tokens=4096)),
+    ],
+)
+def test_budgets_covering_the_context_give_vanilla(model, checkpoint, chunk, budget):
+    plain = LLM(model, chunk_prefill_size=chunk)
+    vanilla = plain.generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
+    llm = deltakv(model, checkpoint, chunk_prefill_size=chunk, **budget)
     outs = llm.generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla]
 
 
-@pytest.mark.parametrize("bits", [4, 16])
-@pytest.mark.parametrize("chunk", [512, 7])
+@pytest.mark.parametrize("bits,chunk", [(4, 512), (16, 512), (4, 7)])
 def test_tokens_equal_the_plain_reference(model, checkpoint, bits, chunk):
     llm = deltakv(model, checkpoint, deltakv_latent_bits=bits, chunk_prefill_size=chunk)
     outs = llm.generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
@@ -117,19 +128,18 @@ def read_prefix(llm: LLM, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_radix_reuse_equals_recomputing_with_the_cached_prefix(model, checkpoint):
-    outs = []
-    for _ in range(2):  # two engines agree
-        llm = deltakv(model, checkpoint)
-        run_request(llm.engine, FIRST, GREEDY)
-        out, prefilled = run_request(llm.engine, FIRST + NEW, GREEDY)
-        assert prefilled < len(NEW) + 8  # the prefix came from the radix cache
-        outs.append(out)
-    assert outs[0].token_ids == outs[1].token_ids
+    llm = deltakv(model, checkpoint)
+    run_request(llm.engine, FIRST, GREEDY)
+    out, prefilled = run_request(llm.engine, FIRST + NEW, GREEDY)
+    assert prefilled < len(NEW) + 8  # the prefix came from the radix cache
+    # Recomputed with a chunk boundary where the cached prefix ends: the first chunk
+    # leaves its prefix compressed whole, as the finished request left the cache.
     cached = len(FIRST + NEW) - prefilled
+    fresh = deltakv(model, checkpoint, enable_prefix_caching=False, chunk_prefill_size=cached)
+    again, _ = run_request(fresh.engine, FIRST + NEW, GREEDY)
+    assert out.token_ids == again.token_ids and logprobs(out) == logprobs(again)
     ref = ReferenceServing(model, checkpoint, RECENT)
-    ref.forward((FIRST + NEW)[:cached])  # the first request's prefill (one chunk) ...
-    ref.flush()  # ... compressed whole when it finished
-    assert_same(outs[0], ref.generate((FIRST + NEW)[cached:], 512, GREEDY.max_tokens), ref)
+    assert_same(out, ref.generate(FIRST + NEW, cached, GREEDY.max_tokens), ref)
 
 
 def test_chain_continuation_equals_recomputing_the_history(model, checkpoint):

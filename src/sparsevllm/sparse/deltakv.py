@@ -8,11 +8,14 @@ the full-precision K/V of sink, centers and recent windows live in shared rows.
 
 - *compress on store*: after every step, each of the step's sequences compresses the
   tokens that left its recent window (positions [start - recent, end - recent) of the
-  step, centers and the first `sink_keep_tokens` excepted); a view the prefix store
+  step, centers and the first `sink_keep_tokens` excepted). A view the prefix store
   adopts (a finished request's radix entry or idle chain) is compressed whole first
-  (`finish_view`), so cached KV holds only sinks, centers and latents, and every reader
-  of it reads the same reconstructions. A prefill chunk reads its own K/V as computed
-  and older tokens as stored (as every lossy format: attention/torch_ref.py).
+  (`finish_view`), so cached KV holds only sinks, centers and latents; so is the prefix
+  after a prompt chunk that is not the prompt's last (no recent window), so that a chunk
+  boundary and a cache boundary leave the same stored form: a radix hit reads what
+  recomputing the prompt with a chunk boundary where the cached prefix ends reads. A
+  prefill chunk reads its own K/V as computed and older tokens as stored (as every lossy
+  format: attention/torch_ref.py).
 - *reconstruct in decode*: the storage reads a compressed token as
   up(latent) + mean(its references' pre-RoPE vectors), the key rotated again at its
   position (`TokenCodec.decode`); the torch reference attention gathers those rows into
@@ -221,9 +224,13 @@ class DeltaKV(SparseMethod):
 
     # -- compress on store ------------------------------------------------------------
     def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
+        """Compress what left the recent window; a prompt chunk that is not the prompt's
+        last leaves its prefix compressed whole, the form a cached prefix has, so that a
+        radix hit reads what recomputing with a chunk boundary there would read."""
         recent = self.config.recent_keep_tokens
         for step in steps:
-            lo, hi = max(0, step.start - recent), step.end - recent
+            mid_prompt = step.end < step.prompt_len
+            lo, hi = max(0, step.start - recent), step.end - (0 if mid_prompt else recent)
             if hi > lo:
                 self._compress(step.seq_id, lo, hi, kv)
 
