@@ -66,9 +66,10 @@ class LatentDecoder(Protocol):
     def decode(
         self,
         codes: torch.Tensor,  # [n, latent_bytes] uint8 (a layer may use a prefix)
-        ref_k: torch.Tensor,  # [n, R, Hkv, D] post-RoPE, model dtype
-        ref_v: torch.Tensor,  # [n, R, Hkv, D]
-        ref_pos: torch.Tensor,  # [n, R] int64
+        full_k: torch.Tensor,  # [rows, Hkv, D] the full rows (post-RoPE keys)
+        full_v: torch.Tensor,  # [rows, Hkv, D]
+        refs: torch.Tensor,  # [n, R] int64: each token's reference rows
+        row_pos: torch.Tensor,  # [rows] int32: each row's position
         pos: torch.Tensor,  # [n] int64
     ) -> KVPair:  # K (post-RoPE at pos), V: [n, Hkv, D] float32
         ...
@@ -269,13 +270,9 @@ class DeltaKVStorage(KVStorage):
         if self.decoder is None:
             raise RuntimeError("DeltaKV storage read before the method attached its decoder")
         refs = self.refs[slots].long()  # [n, R]
-        return self.decoder.decode(
-            self.latent[slots],
-            self.full_k[refs],
-            self.full_v[refs],
-            self.row_pos[refs].long(),
-            self.pos[slots].long(),
-        )
+        # The tables whole, not the gathered references: a kernel reads the rows itself.
+        codes, pos = self.latent[slots], self.pos[slots].long()
+        return self.decoder.decode(codes, self.full_k, self.full_v, refs, self.row_pos, pos)
 
     def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
         return self.read(slots)[0]

@@ -124,7 +124,28 @@ class TokenCodec:
 
     def decode(
         self,
-        codes: torch.Tensor,  # [n, code_bytes]
+        codes: torch.Tensor,  # [n, >= code_bytes] uint8
+        full_k: torch.Tensor,  # [rows, Hkv, D] the storage's full rows (post-RoPE keys)
+        full_v: torch.Tensor,  # [rows, Hkv, D]
+        refs: torch.Tensor,  # [n, R] int64 rows of each token's references
+        row_pos: torch.Tensor,  # [rows] int32 positions of the rows
+        pos: torch.Tensor,  # [n] int64
+    ) -> KVPair:
+        """K (rotated at `pos`), V `[n, Hkv, D]` float32: the Triton kernel on CUDA for
+        INT4 latents and linear maps, else `decode_reference`."""
+        if codes.is_cuda and self.bits == 4 and self.compressor.spec.hidden_dim == 0:
+            from sparsevllm.attention.triton.deltakv import reconstruct
+
+            up = self.compressor.codec(self.layer).up_proj
+            assert isinstance(up, torch.nn.Linear)
+            return reconstruct(
+                codes, up.weight, up.bias, full_k, full_v, refs, row_pos, pos, self.freqs
+            )
+        return self.decode_reference(codes, full_k[refs], full_v[refs], row_pos[refs].long(), pos)
+
+    def decode_reference(
+        self,
+        codes: torch.Tensor,  # [n, >= code_bytes]
         ref_k: torch.Tensor,  # [n, R, Hkv, D]
         ref_v: torch.Tensor,
         ref_pos: torch.Tensor,  # [n, R]
