@@ -24,7 +24,9 @@ from sparsevllm.attention.triton._common import next_pow2
 
 
 @triton.jit
-def _up_rows(w_ptr, b_ptr, c, dm, p, pm, lat_lo, lat_hi, R_DIM: tl.constexpr, P: tl.constexpr):
+def _up_rows(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
+    w_ptr, b_ptr, c, dm, p, pm, lat_lo, lat_hi, R_DIM: tl.constexpr, P: tl.constexpr
+):
     """Rows `c` `[BLOCK_H]` of W_up @ latent + b_up (the latent's two nibble planes)."""
     mask = dm[:, None] & pm[None, :]
     w_lo = tl.load(w_ptr + c[:, None] * R_DIM + p[None, :], mask=mask, other=0.0)
@@ -34,7 +36,7 @@ def _up_rows(w_ptr, b_ptr, c, dm, p, pm, lat_lo, lat_hi, R_DIM: tl.constexpr, P:
 
 
 @triton.jit
-def _reconstruct_kernel(
+def _reconstruct_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     codes_ptr,  # [n, >= P] uint8
     par_ptr,  # [n, 2] float32 scale, zero
     w_ptr,  # [C, R_DIM] float32
