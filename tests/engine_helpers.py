@@ -11,7 +11,8 @@ from sparsevllm.sparse.registry import method_names
 
 # The method x feature matrix on the 4-layer tiny models: every sparse method, prompts of
 # 3 to 61 tokens, and the knobs that make every layer sparse there.
-SPARSE_METHODS = [m for m in method_names() if m != "vanilla"]
+# DeltaKV needs a compressor trained for each model: its own matrix is tests/deltakv.
+SPARSE_METHODS = [m for m in method_names() if m not in ("vanilla", "deltakv")]
 MATRIX_PROMPTS = [
     [1] + list(range(10, 70)),
     [1] + list(range(100, 125)),

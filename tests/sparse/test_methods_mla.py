@@ -45,7 +45,7 @@ def vanilla_tokens(model):
 
 
 def test_the_served_methods_are_the_expected_ones():
-    assert REFUSED == ["duoattention", "knorm", "expected_attention"]
+    assert REFUSED == ["duoattention", "knorm", "expected_attention", "deltakv"]
     layouts = {row["name"]: row["slot_layouts"] for row in methods_table()}  # `sparsevllm methods`
     assert layouts["knorm"] == ["gqa"] and layouts["snapkv"] == ["gqa", "mla_latent"]
 
@@ -75,8 +75,10 @@ def test_small_budget_evicts_latent_rows(model, vanilla_tokens, method):
 @pytest.mark.parametrize("method", REFUSED)
 def test_methods_that_cannot_serve_mla_are_refused_with_the_reason(model, method):
     reason = method_spec(method).refused_layouts[MLA_LATENT]
+    # DeltaKV's required checkpoint is never read: the layout is refused first.
+    knobs = {"deltakv_checkpoint": "never-read.safetensors"} if method == "deltakv" else {}
     with pytest.raises(ValueError, match="mla_latent") as err:
-        LLM(model, sparse_method=method)
+        LLM(model, sparse_method=method, **knobs)
     assert reason in str(err.value) and "methods that can: vanilla" in str(err.value)
 
 

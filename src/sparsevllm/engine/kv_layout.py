@@ -42,7 +42,11 @@ class KVLayout:
         self.num_kv_heads, self.head_dim = slot.num_kv_heads, slot.head_dim
         self.dtype = dtype
         self.device = device
-        self.kv_format = get_format(config.kv_cache_dtype)
+        # The configured format, and the one the managed layers use: the same, unless the
+        # method brings its own (the runner sets it: SparseMethod.storage_format). Sliding
+        # layers that radix caching puts in the main group keep the configured one.
+        self.base_format = get_format(config.kv_cache_dtype)
+        self.kv_format = self.base_format
         self.window_groups = self._window_groups()
 
     @property
@@ -58,15 +62,34 @@ class KVLayout:
         """Size the format's state beside its slots (KIVI's residual rows and key groups)
         for this engine's batch limits and `scratch` scoring-pass rows."""
         cfg = self.config
-        self.kv_format = self.kv_format.sized(
-            FormatSizing(
-                group_size=cfg.kv_quant_group_size,
-                residual=cfg.kv_quant_residual,
-                max_num_seqs=cfg.max_num_seqs,
-                max_step_tokens=cfg.max_num_batched_tokens,
-                scratch_rows=scratch,
-            )
+        sizing = FormatSizing(
+            group_size=cfg.kv_quant_group_size,
+            residual=cfg.kv_quant_residual,
+            max_num_seqs=cfg.max_num_seqs,
+            max_step_tokens=cfg.max_num_batched_tokens,
+            scratch_rows=scratch,
         )
+        self.kv_format = self.kv_format.sized(sizing)
+        self.base_format = self.base_format.sized(sizing)
+
+    def format_of(self, layer: int) -> KVFormat:
+        """The format `layer` is stored in: window groups keep the model dtype; sliding
+        layers in the main group (radix caching) the configured format; the managed
+        layers `kv_format`."""
+        if any(layer in w.layers for w in self.window_groups):
+            return MODEL_DTYPE
+        if any(layer == sliding for sliding, _ in self.sliding):
+            return self.base_format
+        return self.kv_format
+
+    def _main_layer_bytes(self) -> tuple[int, int]:
+        """Over the main groups' layers: bytes of one slot, and the fixed bytes beside
+        the slots (e.g. KIVI's residual rows)."""
+        windowed = {layer for w in self.window_groups for layer in w.layers}
+        formats = [self.format_of(i) for i in range(self.num_layers) if i not in windowed]
+        per_slot = sum(self.layer_bytes(f) for f in formats)
+        fixed = sum(f.fixed_bytes(self.num_kv_heads, self.head_dim, self.dtype) for f in formats)
+        return per_slot, fixed
 
     def layer_bytes(self, fmt: KVFormat) -> int:
         """Bytes of one token's K and V (or latent row) at one layer stored in `fmt`."""
@@ -99,9 +122,7 @@ class KVLayout:
 
     def scratch_bytes(self, scratch: int) -> int:
         """Bytes of `scratch` scoring-pass slots in every layer (`create`)."""
-        windowed = sum(len(w.layers) for w in self.window_groups)
-        main = (self.num_layers - windowed) * self.layer_bytes(self.kv_format)
-        return scratch * (main + windowed * self.layer_bytes(MODEL_DTYPE))
+        return scratch * sum(self.layer_bytes(self.format_of(i)) for i in range(self.num_layers))
 
     def num_slots(
         self, state_bytes: Callable[[int], float], activation_bytes: int, scratch: int = 0
@@ -123,14 +144,13 @@ class KVLayout:
         # Window groups have fixed sizes; the main layers share what is left.
         window_layer = self.layer_bytes(MODEL_DTYPE)
         window_bytes = sum(w.num_slots * len(w.layers) * window_layer for w in self.window_groups)
-        main_layers = self.num_layers - sum(len(w.layers) for w in self.window_groups)
-        main_bytes: float = max(main_layers, 1) * self.layer_bytes(self.kv_format)
+        per_slot, fixed = self._main_layer_bytes()
+        main_bytes: float = max(per_slot, 1)
         # Method state (Quest's page bounds: two key rows per page) holds dequantized
         # keys: the model dtype's size.
         main_bytes += state_bytes(self.slot.key_pair_bytes(self.dtype.itemsize))
         window_bytes += self.scratch_bytes(scratch)  # fixed as well
-        fixed = self.kv_format.fixed_bytes(self.num_kv_heads, self.head_dim, self.dtype)
-        window_bytes += main_layers * fixed  # e.g. KIVI's residual rows
+        window_bytes += fixed  # e.g. KIVI's residual rows
         if cfg.kv_cache_memory_gb is None and self.device.type != "cuda":
             # Enough for every sequence at full length, but never more than 1 GiB.
             budget = window_bytes + self.capacity.cpu_kv_bytes(main_bytes)
@@ -151,8 +171,8 @@ class KVLayout:
         storage = []
         for layer in range(self.num_layers):
             rows = next((w.num_slots for w in self.window_groups if layer in w.layers), None)
-            fmt = self.kv_format if rows is None else MODEL_DTYPE
             size = (rows or num_slots) + scratch
+            fmt = self.format_of(layer)
             storage.append(create_storage(fmt, size, self.slot, self.dtype, self.device))
         self._log(num_slots)
         return storage

@@ -44,7 +44,15 @@ class KVSealer:
         }
         self.device = storage[0].device
         self.tails: dict[int, list[int]] = {}  # seq_id -> per pool group
-        for g in self.storages:
+        # Every group whose storage keeps state beside its slots hears of freed slots
+        # (KIVI's residual rows and key groups, DeltaKV's full rows: kv/format.py).
+        # A group may mix formats (radix caching puts sliding layers beside a method's).
+        tracking = {
+            g: [storage[layer] for layer in pool.layer_groups[g] if storage[layer].tracks_frees]
+            for g in range(pool.num_main_groups)
+        }
+        self.releasers = {g: found for g, found in tracking.items() if found}
+        for g in self.releasers:
             pool.on_free(g, partial(self._release, g))
 
     @property
@@ -54,7 +62,7 @@ class KVSealer:
     def _release(self, group: int, slots: list[int]) -> None:
         """The pool freed `slots` of `group`: their residual rows and key groups go back."""
         at = upload(slots, torch.long, self.device)
-        for storage in self.storages[group]:
+        for storage in self.releasers[group]:
             storage.release(at)
 
     def _tails(self, seq_id: int) -> list[int]:

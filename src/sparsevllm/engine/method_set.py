@@ -27,6 +27,7 @@ from sparsevllm.attention.sparse_step import ObserveQueries, SelectViews
 from sparsevllm.calibration.schema import ModelIdentity
 from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.method_layout import check_layout, common_layout, method_kv
+from sparsevllm.kv.format import KVFormat
 from sparsevllm.kv.layout import GQA
 from sparsevllm.sparse.base import KVAccess, RowScores, ScoringInput, SeqStep, SparseMethod
 from sparsevllm.sparse.choice import MethodChoice, choice_from_key, resolve_choice
@@ -68,6 +69,7 @@ class MethodSet:
         self._runner_kv: RunnerKV | None = None
         self._layout: list[list[int]] | None = None  # set once the served methods exist
         self._scratch: int | None = None  # scoring-pass scratch slots, once reserved
+        self._format: tuple[KVFormat, KVFormat] | None = None  # (engine's, the layers')
         served = [self.instance(c) for c in choices.values()]
         self.default = served[0]
         self._layout = common_layout(served)
@@ -105,6 +107,8 @@ class MethodSet:
             method.bind_model(self._model)
         if self._layout is not None:
             check_layout(method, self._layout)
+        if self._format is not None:
+            check_format(choice.sparse_method, method, *self._format)
         if self._scratch is not None and method.scoring_slots() > self._scratch:
             raise ValueError(
                 f"{choice.sparse_method} with these settings runs scoring inputs of up to "
@@ -117,6 +121,7 @@ class MethodSet:
         self._choice[id(method)] = choice
         if self._runner_kv is not None:
             self._kv[id(method)] = method_kv(method, self._runner_kv)
+            method.attach_storage(self._runner_kv.storage, self._kv[id(method)])
         return method
 
     def bind(self, seq_id: int, choice: MethodChoice) -> None:
@@ -162,6 +167,26 @@ class MethodSet:
         """The runner's KV access; each method sees its own layer groups through it."""
         self._runner_kv = kv
         self._kv = {id(m): method_kv(m, kv) for m in self._by_key.values()}
+        for method in self._by_key.values():
+            method.attach_storage(kv.storage, self._kv[id(method)])
+
+    def storage_format(self, base: KVFormat) -> KVFormat:
+        """The format the managed layers are stored in: `base` (the engine's
+        `kv_cache_dtype`) unless a served method brings its own; every served method
+        (and every later request choice) must agree on it."""
+        served = [(c.sparse_method, self._by_key[c.key]) for c in self.choices.values()]
+        fmt = served[0][1].storage_format(base)
+        for name, method in served[1:]:
+            check_format(name, method, base, fmt)
+        self._format = (base, fmt)
+        return fmt
+
+    def finish_view(self, seq_id: int) -> None:
+        """The prefix store is about to adopt `seq_id`'s view (`SparseMethod.finish_view`)."""
+        if self._runner_kv is None or not self._runner_kv.pool.has(seq_id):
+            return
+        method = self.of(seq_id)
+        method.finish_view(seq_id, self._kv[id(method)])
 
     def kv_for(self, method: SparseMethod) -> KVAccess:
         return self._kv[id(method)]
@@ -332,6 +357,17 @@ class StepMethods:
         return all(
             m.decode_views is DecodeViews.GRAPH or (m.decode_views is DecodeViews.NONE and not n)
             for m, n in zip(self.rows, score_rows)
+        )
+
+
+def check_format(name: str, method: SparseMethod, base: KVFormat, fmt: KVFormat) -> None:
+    """Refuse a method whose layers would need another storage format than `fmt`."""
+    own = method.storage_format(base)
+    if own != fmt:
+        raise ValueError(
+            f"{name} stores KV as {own.name!r}, but this engine's layers are stored as "
+            f"{fmt.name!r}: methods that bring their own storage format cannot share an "
+            "engine with others"
         )
 
 

@@ -101,8 +101,15 @@ class RunnerPruner:
             )
 
     def check_method(self, method: str) -> None:
-        """A scorer that cannot read this model's slot layout is refused, with its reason."""
+        """A scorer that cannot read this model's slot layout is refused, with its reason;
+        so is pruning in an engine whose served method needs every token (`prunable`)."""
         check_slot_layout(method_spec(method), self.runner.slot_layout.name)
+        held = [m for m in self.config.served_methods if not method_spec(m).prunable]
+        if held:
+            raise ValueError(
+                f"pruning is not supported with {held[0]}: its storage needs every token "
+                "of a history in position order"
+            )
 
     def keep_shared(self, slots: list[int], positions: list[int], spec: PruneSpec) -> list[int]:
         runner, cfg, method = self.runner, self.config, spec.method

@@ -125,6 +125,8 @@ class ModelRunner:
             model_identity(source.path, hf.to_dict()),
         )
         self.method = self.methods.default  # the engine's configured method
+        # A method may bring its own storage format (DeltaKV's latent residuals).
+        self.layout.kv_format = self.methods.storage_format(self.layout.kv_format)
         check_device(self.layout.kv_format, self.device)
         act = capacity.activation_bytes(
             hf.hidden_size, hf.intermediate_size, hf.vocab_size, hf.num_attention_heads
@@ -256,7 +258,9 @@ class ModelRunner:
 
     def seal_view(self, seq_id: int) -> None:
         """Quantize every residual token of `seq_id`'s views (before the prefix store
-        adopts them: cached KV holds no residual rows, see engine/kv_seal.py)."""
+        adopts them: cached KV holds no residual rows, see engine/kv_seal.py), after the
+        method has brought it to its cached form (`SparseMethod.finish_view`)."""
+        self.methods.finish_view(seq_id)
         self.sealer.seal_all(seq_id)
 
     def _trim_windows(self, steps: list[SeqStep]) -> None:

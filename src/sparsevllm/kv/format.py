@@ -50,6 +50,9 @@ class KVStorage(abc.ABC):
     # Whether the newest tokens of a sequence wait in full precision until the engine
     # seals them (`seal`; KIVI's residual window, kv/kivi.py and engine/kv_seal.py).
     holds_residual = False
+    # Whether the storage keeps state beside its slots that the pool's frees must reach
+    # (`release`): KIVI's residual rows and key groups, DeltaKV's shared full rows.
+    tracks_frees = False
 
     def __init__(self, fmt: KVFormat, dtype: torch.dtype) -> None:
         self.format = fmt

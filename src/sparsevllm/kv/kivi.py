@@ -101,6 +101,7 @@ class KiviStorage(KVStorage):
     """One layer's KIVI storage (module docstring)."""
 
     holds_residual = True
+    tracks_frees = True
 
     def __init__(
         self,

@@ -52,6 +52,10 @@ The host (runner, scheduler) asks a method what it needs and never which method 
 - `release`: forget a sequence's state (finished, aborted or preempted).
 - `on_compressed`, `export_state`, `import_state`: keep per-token state aligned when
   an idle chain is pruned, and save/restore it for the disk tier.
+- `storage_format` / `attach_storage` / `finish_view`: a method that stores its layers
+  in a format of its own (DeltaKV's latent residuals, kv/deltakv.py) returns it from
+  the engine's format at construction, is handed the layers' storages once they exist,
+  and is told when the prefix store is about to adopt a finished sequence's view.
 
 A score-based eviction method subclasses `ScoreEviction` (sparse/score_eviction.py) and
 writes one `score(...)`.
@@ -71,6 +75,7 @@ from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, SettingValue
 if TYPE_CHECKING:
     from sparsevllm.attention.backend import ForwardBatch
     from sparsevllm.calibration.schema import ModelIdentity
+    from sparsevllm.kv.format import KVFormat, KVStorage
 
 # What `after_step` receives (`SparseStep.row_scores`): `scores[layer][row]` is the
 # `[num_heads, L]` summed attention probabilities of the row's requested queries over its
@@ -241,6 +246,20 @@ class SparseMethod:
         """The loaded model's identity (names, config fingerprint), given by the engine right
         after construction, for a method whose data is made per model (DuoAttention's head
         scores). Raise ValueError when the method cannot serve this model."""
+
+    # -- its own storage format ---------------------------------------------------------
+    def storage_format(self, base: KVFormat) -> KVFormat:
+        """The format the method's layers are stored in, given the engine's
+        (`kv_cache_dtype`): the same, unless the method brings its own."""
+        return base
+
+    def attach_storage(self, storages: Sequence[KVStorage], kv: KVAccess) -> None:
+        """Every layer's storage (indexed by layer) and the method's KV access, once the
+        engine has built them (before any step)."""
+
+    def finish_view(self, seq_id: int, kv: KVAccess) -> None:
+        """The prefix store is about to adopt `seq_id`'s view (a finished request's
+        radix entry or idle chain): bring it to the form cached KV keeps."""
 
     # -- declarations the host asks about ---------------------------------------------
     def layer_groups(self) -> list[list[int]]:

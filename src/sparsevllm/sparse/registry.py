@@ -52,6 +52,7 @@ _MODULES: dict[str, str] = {
         "kvzip",
         "omnikv",
         "quest",
+        "deltakv",
     )
 }
 _ALIASES: dict[str, str] = {

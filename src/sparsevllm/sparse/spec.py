@@ -39,7 +39,13 @@ T = TypeVar("T")
 # CLI forms, e.g. a list or a comma-separated string for a tuple, are converted first.
 SettingValue: TypeAlias = int | float | bool | str | tuple[int, ...] | None
 
-FAMILIES = ("dense", "physical_eviction", "logical_masking", "query_aware_selection")
+FAMILIES = (
+    "dense",
+    "physical_eviction",
+    "logical_masking",
+    "query_aware_selection",
+    "compression",
+)
 PREFILL_POLICIES = ("all_chunked", "long_bs1full_short_batch")
 # Engine settings every budgeted method reads (EngineConfig fields, shared by methods).
 SHARED_DEFAULTS: dict[str, int] = {
@@ -155,6 +161,8 @@ class MethodSpec:
     - `chain_cache`: evicted state can continue a conversation (the chain cache).
     - `prune_scorer`: how the method scores a cached history's tokens when it serves
       as the scorer of `LLM.prune` (None: it cannot).
+    - `prunable`: whether a history the method holds may be pruned at all (False: its
+      storage needs every token in position order, e.g. DeltaKV's references).
     - `kv_formats`: the `kv_cache_dtype` names whose storage the method can serve
       (None: every format; a method that reads stored bytes itself would list its own).
     - `refused_layouts`: slot layouts (kv/layout.py: `gqa`, `mla_latent`) the method cannot
@@ -176,6 +184,7 @@ class MethodSpec:
     prefix_cache: bool = False
     chain_cache: bool = False
     prune_scorer: PruneScorer | None = None
+    prunable: bool = True
     kv_formats: tuple[str, ...] | None = None
     refused_layouts: Mapping[str, str] = dataclasses.field(default_factory=dict)
 

@@ -145,6 +145,19 @@ def _method_name(name: str) -> str:
         raise
 
 
+def default_methods() -> list[str]:
+    """Every registered method that runs with its default knobs (DeltaKV needs a
+    compressor checkpoint for the model: name it with --methods and its knob)."""
+    out = []
+    for name in method_names():
+        try:
+            method_spec(name).knobs()
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
+
 def make_grid(
     tasks: Sequence[str] | None = None,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
@@ -155,13 +168,13 @@ def make_grid(
     modes: Sequence[str] = DEFAULT_MODES,
 ) -> Grid:
     """Validate a grid: task names (`all`: every task), method names or aliases (default:
-    every registered method), positive lengths and samples, ratios in (0, 1), modes."""
+    every registered method that runs with its default knobs), positive lengths and samples, ratios in (0, 1), modes."""
     task_list = list(DEFAULT_TASKS if tasks is None else tasks)
     if task_list == ["all"]:
         task_list = list(TASKS)
     task_list = closest_names(task_list, list(TASKS), "task")
     mode_list = closest_names(modes, list(MODES), "mode")
-    method_list = method_names() if methods is None else [_method_name(m) for m in methods]
+    method_list = default_methods() if methods is None else [_method_name(m) for m in methods]
     if not task_list or not method_list or not lengths or not mode_list:
         raise ValueError("the grid needs at least one task, method, length and mode")
     if samples < 1 or any(int(n) < 1 for n in lengths):
