@@ -4,9 +4,12 @@ what the eager model does (greedy tokens, prefill and batched and single decode)
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.config import EngineConfig
+from sparsevllm.engine import cpu_linear_op
 from sparsevllm.engine.cpu_compile import CompiledForward
 
 PROMPTS = [[1, 5, 9, 17, 33, 60], [1, 7, 7, 7], [1, 200, 100, 50, 25, 12, 6, 3, 2]]
@@ -43,3 +46,16 @@ def test_compiled_tokens_match_eager(tiny_model_factory, kind):
         alone = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].token_ids
         tokens[choice] = (batch, alone)
     assert tokens["on"] == tokens["off"]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 64])
+def test_linear_by_rows_matches_f_linear(rows):
+    """The packed oneDNN GEMM (from PACKED_MIN_ROWS rows) computes F.linear's product."""
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(rows, 64)
+    cpu_linear_op.register(weight)
+    try:
+        out = cpu_linear_op.linear(x, weight, bias)
+    finally:
+        cpu_linear_op.forget(weight)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)

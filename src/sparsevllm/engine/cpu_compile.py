@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsevllm.attention.backend import ForwardBatch
+from sparsevllm.engine import cpu_linear_op
 from sparsevllm.engine.compiled_attention import attention, step_batch
 from sparsevllm.layers.mlp import GatedMLP
 from sparsevllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -120,6 +121,10 @@ class CompiledForward:
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         self.layers = [_weights_of(layer) for layer in _layers(model)]
+        for weights in self.layers:  # the GEMMs of more than a few rows read packed forms
+            for matrix in (weights.qkv, weights.o, weights.gate_up, weights.down):
+                cpu_linear_op.register(matrix)
+        cpu_linear_op.register(model.lm_head.weight)
         self.shape = _shape_of(_layers(model)[0])
         self._layer = torch.compile(_decoder_layer, dynamic=True, fullgraph=True)
         self._seen: set[bool] = set()  # which shape classes (one token, more) compiled
@@ -144,7 +149,9 @@ class CompiledForward:
         return cast(torch.Tensor, m.norm(x))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
+        """Logits `[S, vocab]` of hidden states `[S, hidden]` (the LM head by rows too)."""
+        head = self.model.lm_head
+        return cast(torch.Tensor, cpu_linear_op.linear(hidden, head.weight, head.bias))
 
     def __getattr__(self, name: str) -> Any:
         # Everything else (rope_frequencies, sliding_window_layers, ...) is the model's.
@@ -192,7 +199,7 @@ def _decoder_layer(
     cos/sin `[T, 1, D/2]`; attention through the custom operator."""
     t = x.shape[0]
     h = w.input_norm * F.rms_norm(x, x.shape[-1:], eps=s.eps)
-    q, k, v = F.linear(h, w.qkv, w.qkv_bias).split(s.qkv_sizes, dim=-1)
+    q, k, v = _linear(h, w.qkv, w.qkv_bias).split(s.qkv_sizes, dim=-1)
     q = q.reshape(t, s.num_heads, s.head_dim)
     k = k.reshape(t, s.num_kv_heads, s.head_dim)
     v = v.reshape(t, s.num_kv_heads, s.head_dim)
@@ -201,10 +208,19 @@ def _decoder_layer(
         k = w.k_norm * F.rms_norm(k, k.shape[-1:], eps=s.eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     o = attention(q, k, v, w.layer_index, s.scale)  # [T, Hq, D]
-    x = x + F.linear(o.reshape(t, -1), w.o, w.o_bias)
+    x = x + _linear(o.reshape(t, -1), w.o, w.o_bias)
     h = w.post_norm * F.rms_norm(x, x.shape[-1:], eps=s.eps)
-    gate, up = F.linear(h, w.gate_up, w.gate_up_bias).split(s.intermediate, dim=-1)
-    return x + F.linear(s.act(gate) * up, w.down, w.down_bias)
+    gate, up = _linear(h, w.gate_up, w.gate_up_bias).split(s.intermediate, dim=-1)
+    return x + _linear(s.act(gate) * up, w.down, w.down_bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x `[T, in]` -> `[T, out]`. One token: `F.linear` (Inductor calls MKL's GEMV, and
+    fuses a residual add into it); more: the row-count dispatch of engine/cpu_linear_op.py
+    (Dynamo specialises T == 1, so each graph holds one of the two)."""
+    if x.shape[0] == 1:
+        return F.linear(x, weight, bias)
+    return cast(torch.Tensor, cpu_linear_op.linear(x, weight, bias))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
