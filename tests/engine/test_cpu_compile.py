@@ -53,9 +53,8 @@ def test_linear_by_rows_matches_f_linear(rows):
     """The packed oneDNN GEMM (from PACKED_MIN_ROWS rows) computes F.linear's product."""
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(rows, 64)
-    cpu_linear_op.register(weight)
-    try:
+    packed = cpu_linear_op.PackedWeights()
+    packed.add(weight)
+    with packed.active():
         out = cpu_linear_op.linear(x, weight, bias)
-    finally:
-        cpu_linear_op.forget(weight)
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)

@@ -121,10 +121,11 @@ class CompiledForward:
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         self.layers = [_weights_of(layer) for layer in _layers(model)]
-        for weights in self.layers:  # the GEMMs of more than a few rows read packed forms
+        self.packed = cpu_linear_op.PackedWeights()  # GEMMs of 4+ rows read packed forms
+        for weights in self.layers:
             for matrix in (weights.qkv, weights.o, weights.gate_up, weights.down):
-                cpu_linear_op.register(matrix)
-        cpu_linear_op.register(model.lm_head.weight)
+                self.packed.add(matrix)
+        self.packed.add(model.lm_head.weight)
         self.shape = _shape_of(_layers(model)[0])
         self._layer = torch.compile(_decoder_layer, dynamic=True, fullgraph=True)
         self._seen: set[bool] = set()  # which shape classes (one token, more) compiled
@@ -137,7 +138,7 @@ class CompiledForward:
         rotary = m.rotary_emb
         cos = rotary.get_buffer("cos_cache")[batch.positions].unsqueeze(1)  # [T, 1, D/2]
         sin = rotary.get_buffer("sin_cache")[batch.positions].unsqueeze(1)
-        with step_batch(batch):
+        with step_batch(batch), self.packed.active():
             for weights in self.layers:
                 x = self._layer(x, cos, sin, weights, self.shape)
         if first:
@@ -151,7 +152,8 @@ class CompiledForward:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits `[S, vocab]` of hidden states `[S, hidden]` (the LM head by rows too)."""
         head = self.model.lm_head
-        return cast(torch.Tensor, cpu_linear_op.linear(hidden, head.weight, head.bias))
+        with self.packed.active():
+            return cast(torch.Tensor, cpu_linear_op.linear(hidden, head.weight, head.bias))
 
     def __getattr__(self, name: str) -> Any:
         # Everything else (rope_frequencies, sliding_window_layers, ...) is the model's.
