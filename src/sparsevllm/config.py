@@ -68,6 +68,9 @@ FIELD_HELP: dict[str, str] = {
     "(each sequence's KV spread over the pool; on the H200 the whole engine decoded "
     "64 x 8K 2% slower and prefilled slower with it).",
     "enforce_eager": "Disable CUDA-graph capture of the decode step.",
+    "cpu_compile": "CPU only: run each decoder layer as one torch.compile'd (Inductor C++) "
+    "function: auto (for a float32 Llama-family model of at least 50M parameters, where "
+    "the saved per-step operators outweigh a first start's compilation), on, or off.",
     "measure_kv_reads": "Count the KV slots decode steps read (bench throughput's roofline; "
     "a few small device operations per layer for methods that select decode views).",
     "async_scheduling": "Overlap the host's per-step work with the device: launch the next "
@@ -162,6 +165,7 @@ class EngineConfig:
     kv_quant_residual: int = 128
     kv_slot_order: str = "sequential"
     enforce_eager: bool = False
+    cpu_compile: str = "auto"
     measure_kv_reads: bool = False
     async_scheduling: bool | None = None
     sparse_method: str = "vanilla"
@@ -210,6 +214,7 @@ class EngineConfig:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("kv_slot_order", self.kv_slot_order, ("sequential", "shuffled"))
         _check_type("enforce_eager", self.enforce_eager, bool)
+        _check_choice("cpu_compile", self.cpu_compile, ("auto", "on", "off"))
         _check_type("measure_kv_reads", self.measure_kv_reads, bool)
         if self.async_scheduling is not None:
             _check_type("async_scheduling", self.async_scheduling, bool)

@@ -28,6 +28,7 @@ from sparsevllm.bench.capacity import (
 )
 from sparsevllm.bench.model_configs import write_model_config
 from sparsevllm.bench.roofline import measure_copy_bandwidth, moe_report, weight_bytes_per_step
+from sparsevllm.engine.cpu_compile import CompiledForward
 from sparsevllm.engine.kv_pool import shuffle_seed
 from sparsevllm.llm import LLM
 from sparsevllm.sampling import SamplingParams
@@ -227,6 +228,7 @@ def report(
         "bounded_prefill": llm.config.bounded_prefill,
         "chunk_prefill_size": llm.config.chunk_prefill_size,
         "cuda_graphs": runner.graphs is not None,
+        "cpu_compiled": isinstance(runner.model, CompiledForward),
         "async_scheduling": engine.async_scheduling,
         "kv_slots_shuffled": shuffle_seed(llm.config.kv_slot_order, llm.config.seed) is not None,
         "prompt_len": prompt_len,

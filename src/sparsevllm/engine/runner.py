@@ -16,6 +16,7 @@ from sparsevllm.attention.sparse_step import SelectViews, SparseStep
 from sparsevllm.calibration.identity import model_identity
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.capacity import CapacityPlan
+from sparsevllm.engine.cpu_compile import with_cpu_compile
 from sparsevllm.engine.cuda_graph import DecodeGraphs
 from sparsevllm.engine.devices import resolve_device, resolve_dtype
 from sparsevllm.engine.grammar_mask import grammar_bitmask
@@ -99,7 +100,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         hf = self.hf_config = source.hf_config
         model = build_model(source, max_model_len, self.dtype, self.device, config.seed)
-        self.model = cast(CausalLM, model)
+        # CPU: each decoder layer through one compiled function where that pays.
+        compiled = with_cpu_compile(model, config.cpu_compile, self.device, self.dtype)
+        self.model = cast(CausalLM, compiled)
         self.num_layers: int = hf.num_hidden_layers
         self.slot_layout = slot_layout_of(model, hf)  # per-head K/V, or MLA's latent row
         self.num_kv_heads: int = self.slot_layout.num_kv_heads

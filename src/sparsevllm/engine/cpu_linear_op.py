@@ -1,0 +1,71 @@
+"""float32 CPU linears by row count: MKL's GEMV for a few rows, oneDNN's packed GEMM for more.
+
+`F.linear` in float32 on the CPU is MKL's sgemm. On the AMD EPYC (Zen 1, AVX2) the
+engine was measured on, it ran 16-row products at 4-11 GFLOPS and the 16-row LM head at
+half oneDNN's speed over a weight reordered once into oneDNN's blocked layout
+(`layers/cpu_linear.py`'s packing, which bfloat16 models already use); at one row MKL was
+as fast or faster. So a compiled model keeps both forms of its weights (`PackedWeights`)
+and each call picks by rows.
+It is one custom operator (`torch.ops.sparsevllm.linear`), so a compiled graph
+(engine/cpu_compile.py) calls it as one node: Inductor cannot trace an opaque packed
+weight, and the packed form is found from the dense weight it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from sparsevllm.layers.cpu_linear import pack_weight, packed_linear
+
+# Rows from which the packed oneDNN GEMM is used (fewer: MKL's, through F.linear).
+PACKED_MIN_ROWS = 4
+
+
+class PackedWeights:
+    """The packed forms of one model's weights, found by the dense weight's address and
+    shape. Owned by the model's compiled forward, so they live and die with its weights
+    (a process-wide table would keep them after the model is freed, and could hand a
+    stale packed form to a new weight allocated at the same address)."""
+
+    def __init__(self) -> None:
+        self._packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+
+    def add(self, weight: torch.Tensor) -> None:
+        """Keep `weight` `[out, in]` (float32, CPU) also in oneDNN's layout."""
+        key = (weight.data_ptr(), tuple(weight.shape))
+        if key not in self._packed:
+            self._packed[key] = pack_weight(weight)
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return self._packed.get((weight.data_ptr(), tuple(weight.shape)))
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Let `linear` calls in the block use these packed forms."""
+        _active.append(self)
+        try:
+            yield
+        finally:
+            _active.pop()
+
+
+_active: list[PackedWeights] = []
+
+
+@torch.library.custom_op("sparsevllm::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, x `[N, in]` -> `[N, out]`, by the packed weight from
+    PACKED_MIN_ROWS rows when the active PackedWeights holds one for `weight`."""
+    packed = _active[-1].get(weight) if _active else None
+    if packed is None or x.shape[0] < PACKED_MIN_ROWS:
+        return F.linear(x, weight, bias)
+    return packed_linear(x.contiguous(), packed, bias)
+
+
+@linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])  # [N, out]
