@@ -137,6 +137,13 @@ def test_bad_knobs_fail_clearly(model, checkpoint, tmp_path):
         llm.generate([[1, 2, 3]], params, use_tqdm=False)
 
 
+def test_the_storage_is_cpu_only(model, checkpoint):
+    # CUDA is refused until its tokens match the CPU engine's (tests/gpu/test_deltakv_cuda.py).
+    fmt = deltakv(model, checkpoint).engine.runner.layout.kv_format
+    assert fmt.name == "deltakv"
+    assert fmt.usable_on(torch.device("cpu")) and not fmt.usable_on(torch.device("cuda"))
+
+
 def test_pruning_a_deltakv_history_is_refused(model, checkpoint):
     llm = deltakv(model, checkpoint, prefix_cache_mode="chain")
     run_request(llm.engine, FIRST, GREEDY, "c")

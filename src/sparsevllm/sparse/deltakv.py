@@ -223,7 +223,8 @@ class DeltaKV(SparseMethod):
         return deltakv_format(code, spec.num_references, spec.center_stride, full)
 
     def attach_storage(self, storages: Sequence[KVStorage], kv: KVAccess) -> None:
-        compressor = self._loaded()
+        # The compressor runs where the KV lives (a checkpoint loads on the CPU).
+        compressor = self._loaded().to(storages[self.layers[0]].device)
         for layer in self.layers:
             storage = storages[layer]
             if not isinstance(storage, DeltaKVStorage):
