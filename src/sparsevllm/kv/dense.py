@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsevllm.kv.format import KVFormat, KVStorage, kv_zeros
+from sparsevllm.kv.format import KVFormat, KVStorage, kv_zeros, real_rows
 
 
 class DenseStorage(KVStorage):
@@ -39,9 +39,7 @@ class DenseStorage(KVStorage):
         return storage
 
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        keep = slots >= 0
-        if not bool(keep.all()):
-            k, v, slots = k[keep], v[keep], slots[keep]
+        k, v, slots = real_rows(k, v, slots)
         self.k[slots] = k.to(self.k.dtype)
         self.v[slots] = v.to(self.v.dtype)
 

@@ -247,6 +247,17 @@ class KVFormat:
         return True
 
 
+def real_rows(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of a store whose slot is real: a slot of -1 marks a row that is not
+    written. `k`/`v` `[T, ...]`, `slots` `[T]`."""
+    keep = slots >= 0
+    if bool(keep.all()):
+        return k, v, slots
+    return k[keep], v[keep], slots[keep]
+
+
 def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled KV tensor. On the CPU its memory comes from numpy's calloc, whose
     pages the OS maps zeroed on first touch: torch.zeros would write the whole pool at

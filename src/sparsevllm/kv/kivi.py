@@ -46,6 +46,7 @@ from sparsevllm.kv.format import (
     KVPair,
     KVStorage,
     kv_zeros,
+    real_rows,
 )
 
 EMPTY = -1
@@ -181,9 +182,7 @@ class KiviStorage(KVStorage):
     # -- writes -------------------------------------------------------------------------
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """New tokens go to residual rows (an overwritten slot's old state is released)."""
-        keep = slots >= 0
-        if not bool(keep.all()):
-            k, v, slots = k[keep], v[keep], slots[keep]
+        k, v, slots = real_rows(k, v, slots)
         slots = slots.long()
         self.release(slots)
         rows = self._take_rows(slots.numel())

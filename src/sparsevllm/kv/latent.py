@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsevllm.kv.format import KVFormat, KVStorage, kv_zeros
+from sparsevllm.kv.format import KVFormat, KVStorage, kv_zeros, real_rows
 from sparsevllm.kv.layout import SlotLayout
 from sparsevllm.kv.scaled import dequantize, quantize
 
@@ -45,9 +45,7 @@ class LatentStorage(KVStorage):
 
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the rows `k` `[T, 1, W]`; `v` is their prefix and is not read."""
-        keep = slots >= 0
-        if not bool(keep.all()):
-            k, slots = k[keep], slots[keep]
+        k, _, slots = real_rows(k, k, slots)
         if self.k_scale is None:
             self.k[slots] = k.to(self.k.dtype)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsevllm.kv.format import KVFormat, KVStorage, kv_zeros
+from sparsevllm.kv.format import KVFormat, KVStorage, kv_zeros, real_rows
 
 # The largest magnitude each element type represents (the absmax maps onto it).
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
@@ -62,9 +62,7 @@ class ScaledStorage(KVStorage):
         self.v_scale = kv_zeros(shape[:2], torch.float32, device)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        keep = slots >= 0
-        if not bool(keep.all()):
-            k, v, slots = k[keep], v[keep], slots[keep]
+        k, v, slots = real_rows(k, v, slots)
         element = self.k.dtype
         self.k[slots], self.k_scale[slots] = quantize(k, element)
         self.v[slots], self.v_scale[slots] = quantize(v, element)
