@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -155,7 +155,7 @@ class CompiledForward:
         with self.packed.active():
             return cast(torch.Tensor, cpu_linear_op.linear(hidden, head.weight, head.bias))
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         # Everything else (rope_frequencies, sliding_window_layers, ...) is the model's.
         return getattr(self.model, name)
 
