@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
 #          gguf-part | quality | quality-rerun | quality-modes | quality-formats | formats-kernels | formats-throughput |
-#          capacity-methods | formats-capacity | million | mla
+#          capacity-methods | formats-capacity | million | mla | deltakv-throughput
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # /tmp/site: carried wheels (llguidance)
@@ -215,6 +215,31 @@ PY
            --kv-cache-dtype $f --json "$OUT/vanilla_32k_maxbatch_$f.json" \
            | grep -E '"(batch_size|decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"'
       done ;;
+    deltakv-throughput)
+      # Issue 16 item 4: dummy Llama-3-8B with a random compressor of real dims (latent
+      # 512 = kv_dim / 4, stride 10, 4 references): decode at 32K and 128K, batch 1 and
+      # DeltaKV's largest batch at 32K, beside vanilla and SnapKV (2,048); a profile of
+      # DeltaKV's 32K decode steps. DK_LENS / DK_METHODS choose a subset.
+      python scripts/deltakv_random_compressor.py --model-config llama3-8b --out /tmp/dk8b.safetensors
+      DK="--deltakv-checkpoint /tmp/dk8b.safetensors"
+      for n in ${DK_LENS:-32768 131072}; do
+        for m in ${DK_METHODS:-vanilla snapkv deltakv}; do
+          knobs=""; [ $m = snapkv ] && knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK"
+          # 128K: the prompt leaves room for the output inside max_position_embeddings.
+          pl=$n; [ $n -gt 65536 ] && pl=$((n - 128))
+          timeout ${DK_RUN_S:-240} $M --prompt-len $pl --output-len 16 --max-model-len $((pl + 128)) \
+             --batch-size 1 --max-num-seqs 1 --sparse-method $m $knobs \
+             --json "$OUT/deltakv_h200_${m}_$((n / 1024))k_b1.json" > "$OUT/deltakv_${m}_${n}_b1.log" 2>&1 ||
+            echo "failed: $m $n"
+          grep -hE '"(decode_tokens_per_s|time_per_output_token_s|kv_bytes_per_slot|peak_kv_bytes)"' \
+             "$OUT/deltakv_h200_${m}_$((n / 1024))k_b1.json"
+        done
+      done
+      [ "${DK_MAX:-1}" = 1 ] && timeout ${DK_RUN_S:-240} $M --prompt-len 32768 --output-len 16 \
+         --max-model-len 32896 --max-batch --decode-capacity --max-num-seqs 1024 \
+         --sparse-method deltakv $DK --json "$OUT/deltakv_h200_deltakv_32k_max_cap.json" \
+         > "$OUT/deltakv_32k_max.log" 2>&1 && grep -E '"(batch_size|decode_tokens_per_s)"' \
+         "$OUT/deltakv_h200_deltakv_32k_max_cap.json" ;;
     mla)
       # Issue 17: the MLA decode kernel on CUDA (tests, accuracy and speed at GLM-4.7-Flash's
       # shapes), then GLM-4.7-Flash at 32K: SnapKV (2,048) at its largest batch beside

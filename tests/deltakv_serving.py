@@ -67,12 +67,21 @@ class ReferenceServing:
     """One sequence through the Hugging Face model with DeltaKV's rule (module docstring)."""
 
     def __init__(
-        self, model_dir: str, checkpoint: str, recent: int, sink: int = 4, bits: int = 4
+        self,
+        model_dir: str,
+        checkpoint: str,
+        recent: int,
+        sink: int = 4,
+        bits: int = 4,
+        device: str = "cpu",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        self.device = torch.device(device)
         self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.compressor, info = load_compressor(checkpoint)
+        self.hf.to(self.device)
+        compressor, info = load_compressor(checkpoint)
+        self.compressor = compressor.to(self.device)
         self.spec = info.spec
         self.recent, self.sink, self.bits = recent, max(sink, self.spec.sink_tokens), bits
         self.freqs = self.hf.model.rotary_emb.inv_freq.float()
@@ -85,7 +94,9 @@ class ReferenceServing:
     def forward(self, ids: list[int], mid_prompt: bool = False) -> tuple[int, float]:
         """Run `ids` as one chunk: the greedy next token and its logprob. After a chunk
         that does not end the prompt (`mid_prompt`) the whole prefix is compressed."""
-        out = self.hf(torch.tensor([ids]), past_key_values=self.cache, use_cache=True)
+        out = self.hf(
+            torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True
+        )
         self.cache = out.past_key_values
         self.length += len(ids)
         self.compress_before(self.length - (0 if mid_prompt else self.recent))
@@ -124,7 +135,7 @@ class ReferenceServing:
         cache = self.cache.layers[layer]
         k = cache.keys[0].transpose(0, 1)  # [T, Hkv, D] post-RoPE
         v = cache.values[0].transpose(0, 1)
-        pos = torch.arange(k.shape[0])
+        pos = torch.arange(k.shape[0], device=k.device)
         x = join_kv(unrotate(k, pos, self.freqs), v.float())  # [T, C]
         spec = self.spec
         for t in todo:
@@ -143,5 +154,5 @@ class ReferenceServing:
                 latent = latent.half().float()
             xh = self.compressor.reconstruct(layer, latent, refs)
             kh, vh = split_kv(xh, spec.num_kv_heads, spec.head_dim)  # [1, Hkv, D]
-            cache.keys[0, :, t] = rotate(kh, torch.tensor([t]), self.freqs)[0]
+            cache.keys[0, :, t] = rotate(kh, torch.tensor([t], device=k.device), self.freqs)[0]
             cache.values[0, :, t] = vh[0]

@@ -137,11 +137,10 @@ def test_bad_knobs_fail_clearly(model, checkpoint, tmp_path):
         llm.generate([[1, 2, 3]], params, use_tqdm=False)
 
 
-def test_the_storage_is_cpu_only(model, checkpoint):
-    # CUDA is refused until its tokens match the CPU engine's (tests/gpu/test_deltakv_cuda.py).
+def test_the_storage_serves_cpu_and_cuda(model, checkpoint):
+    # The torch reference reads it on both (tests/gpu/test_deltakv_cuda.py on the GPU).
     fmt = deltakv(model, checkpoint).engine.runner.layout.kv_format
-    assert fmt.name == "deltakv"
-    assert fmt.usable_on(torch.device("cpu")) and not fmt.usable_on(torch.device("cuda"))
+    assert fmt.name == "deltakv" and fmt.devices == ("cpu", "cuda")
 
 
 def test_pruning_a_deltakv_history_is_refused(model, checkpoint):

@@ -17,7 +17,7 @@ from sparsevllm.engine import runner as runner_module  # noqa: E402
 # Staggered lengths and a small chunk: the long prompts are still prefilling while the
 # short ones decode, so most steps mix prefill chunks with decoding rows.
 PROMPTS = [[1, 5, 6, 7], [1] + list(range(10, 40)), [1] + list(range(100, 170))]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 CASES = {
     "quest": dict(decode_keep_tokens=8, quest_chunk_size=4, quest_skip_layers=1),
     "omnikv": dict(decode_keep_tokens=8, full_attention_layers=(0, 2)),

@@ -356,12 +356,9 @@ def deltakv_format(
         scaled=False,
         factory=DeltaKVStorage,
         stores_shared_kv=False,
-        # Latent codes and shared full rows: the torch reference reads them.
+        # Latent codes and shared full rows: the torch reference reads them, on the CPU
+        # and on CUDA (tests/gpu/test_deltakv_cuda.py).
         kernels="deltakv",
-        # CPU only for now: on an H200 the engine's greedy tokens left the CPU engine's
-        # (25 of 96 equal, INT4 and float16 latents alike; tests/gpu/test_deltakv_cuda.py),
-        # so CUDA is refused at construction until that is found.
-        devices=("cpu",),
         latent_bytes=latent_bytes,
         num_references=num_references,
         center_stride=center_stride,
