@@ -3,7 +3,8 @@
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
 #          gguf-part | quality | quality-rerun | quality-modes | quality-formats | formats-kernels | formats-throughput |
-#          capacity-methods | formats-capacity | million | mla | deltakv-throughput
+#          capacity-methods | formats-capacity | million | mla | deltakv-throughput |
+#          deltakv-quality
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # /tmp/site: carried wheels (llguidance)
@@ -50,6 +51,21 @@ quality_formats() {
     tail -12 "$OUT/quality_kv_$f.log"
   done
 }
+quality_deltakv() {
+  # Issue 16 item 3: the Gemma compressor served at three recent windows (8,000: nothing
+  # compressed, the control that must equal vanilla; 220: SnapKV 0.75's bytes; 16: the
+  # smallest), niah_single and niah_multikey, 4K, 20 samples; DK_CONFIGS picks a subset.
+  [ -f /tmp/g/gemma-3-270m-q4_k_m.gguf ] || cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf
+  sha256sum /tmp/g/gemma-3-270m-q4_k_m.gguf
+  for c in ${DK_CONFIGS:-none recent220 recent16}; do
+    PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
+       --model /tmp/g/gemma-3-270m-q4_k_m.gguf --tasks niah_single,niah_multikey \
+       --lengths 4096 --samples 20 --methods deltakv --config "docs/quality/deltakv_gemma3_$c.json" \
+       --max-num-seqs 64 --enforce-eager --no-progress \
+       --json "$OUT/quality_gemma3_270m_4k_deltakv_$c.json" > "$OUT/quality_deltakv_$c.log" 2>&1
+    tail -8 "$OUT/quality_deltakv_$c.log"
+  done
+}
 run_part() {
   case $1 in
     tests)
@@ -69,15 +85,19 @@ run_part() {
       # and .whl once: gguf 0.19 and transformers 5.24 (5.17's GGUF converter garbles
       # Gemma 3's tokenizer: models/gguf_loader.py refuses it).
       mkdir -p /tmp/g && cp .gguf_parts/part* /tmp/g/ && ls -la /tmp/g
-      if ls .whl/*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-      fi ;;
+      for w in .whl .whl2; do  # .whl2: llguidance (the engine imports it)
+        if ls $w/*.whl >/dev/null 2>&1; then
+          python3 -m pip install -q --no-index --no-deps --target /tmp/site $w/*.whl
+        fi
+      done ;;
     quality)
       quality_grid ;;
     quality-modes)
       quality_modes ;;
     quality-formats)
       quality_formats ;;
+    deltakv-quality)
+      quality_deltakv ;;
     quality-rerun)
       # Issue 7: re-measure some methods' rows (RERUN, default omnikv: its default full
       # layers changed in session 4): drop their records, resume the same grid (the rest
@@ -222,24 +242,35 @@ PY
       # DeltaKV's 32K decode steps. DK_LENS / DK_METHODS choose a subset.
       python scripts/deltakv_random_compressor.py --model-config llama3-8b --out /tmp/dk8b.safetensors
       DK="--deltakv-checkpoint /tmp/dk8b.safetensors"
-      for n in ${DK_LENS:-32768 131072}; do
-        for m in ${DK_METHODS:-vanilla snapkv deltakv}; do
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr H h)
+      for n in ${DK_LENS-32768 131072}; do
+        for m in ${DK_METHODS-vanilla snapkv deltakv}; do
           knobs=""; [ $m = snapkv ] && knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK"
           # 128K: the prompt leaves room for the output inside max_position_embeddings.
           pl=$n; [ $n -gt 65536 ] && pl=$((n - 128))
           timeout ${DK_RUN_S:-240} $M --prompt-len $pl --output-len 16 --max-model-len $((pl + 128)) \
              --batch-size 1 --max-num-seqs 1 --sparse-method $m $knobs \
-             --json "$OUT/deltakv_h200_${m}_$((n / 1024))k_b1.json" > "$OUT/deltakv_${m}_${n}_b1.log" 2>&1 ||
+             --json "$OUT/deltakv_${gpu:-gpu}_${m}_$((n / 1024))k_b1.json" > "$OUT/deltakv_${m}_${n}_b1.log" 2>&1 ||
             echo "failed: $m $n"
           grep -hE '"(decode_tokens_per_s|time_per_output_token_s|kv_bytes_per_slot|peak_kv_bytes)"' \
-             "$OUT/deltakv_h200_${m}_$((n / 1024))k_b1.json"
+             "$OUT/deltakv_${gpu:-gpu}_${m}_$((n / 1024))k_b1.json"
         done
       done
-      [ "${DK_MAX:-1}" = 1 ] && timeout ${DK_RUN_S:-240} $M --prompt-len 32768 --output-len 16 \
-         --max-model-len 32896 --max-batch --decode-capacity --max-num-seqs 1024 \
-         --sparse-method deltakv $DK --json "$OUT/deltakv_h200_deltakv_32k_max_cap.json" \
-         > "$OUT/deltakv_32k_max.log" 2>&1 && grep -E '"(batch_size|decode_tokens_per_s)"' \
-         "$OUT/deltakv_h200_deltakv_32k_max_cap.json" ;;
+      # Largest batch at 32K (decode-capacity mode) of each of DK_MAX_METHODS.
+      for m in ${DK_MAX_METHODS-deltakv}; do
+        knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK"
+        timeout ${DK_RUN_S:-240} $M --prompt-len 32768 --output-len 16 --max-model-len 32896 \
+           --max-batch --decode-capacity --max-num-seqs 1024 --sparse-method $m $knobs \
+           --json "$OUT/deltakv_${gpu:-gpu}_${m}_32k_max_cap.json" > "$OUT/deltakv_32k_max_$m.log" 2>&1 ||
+          echo "failed: $m max"
+        grep -E '"(batch_size|decode_tokens_per_s|kv_bytes_per_slot)"' "$OUT/deltakv_${gpu:-gpu}_${m}_32k_max_cap.json"
+      done
+      # Where a 32K decode step goes (kernel table): the reconstruction GEMM and epilogue.
+      echo '{"deltakv_checkpoint": "/tmp/dk8b.safetensors"}' > /tmp/dk8b.json
+      [ "${DK_PROFILE:-1}" = 1 ] && timeout ${DK_RUN_S:-240} python -m sparsevllm.bench.profile_step \
+         --model-config llama3-8b --prompt-len 32768 --batch-size 1 --steps 4 --rows 15 \
+         --sparse-method deltakv --config /tmp/dk8b.json --json "$OUT/profile_deltakv_${gpu:-gpu}_32k_b1.json" \
+         | tail -24 ;;
     mla)
       # Issue 17: the MLA decode kernel on CUDA (tests, accuracy and speed at GLM-4.7-Flash's
       # shapes), then GLM-4.7-Flash at 32K: SnapKV (2,048) at its largest batch beside

@@ -3,12 +3,13 @@ and a plain reference of serving (Hugging Face transformers, one sequence, no en
 
 The reference keeps the model's cache as plain `[1, Hkv, T, D]` tensors and applies the
 rule of sparse/deltakv.py by hand: after every forward (a prompt chunk or one decode
-token) ending at position `end`, every token p < end - recent (p < end after a chunk
-that does not end the prompt) that is neither a center nor one of the first `sink` is
+token) ending at position `end`, every token p < end - recent that is neither a center
+nor one of the first `sink` is
 replaced, once, by its reconstruction from the definition
 (deltakv/: pre-RoPE vector, its nearest centers among the exact ones, latent, INT4 or
 float16 storage, up-projection plus the references' mean, key rotated back); `flush`
-does the same for every such token (what the prefix store adopts). A chunk attends to
+does the same for every such token (what the prefix store adopts; `generate` flushes
+after a cached prefix to model a radix hit or a chain continuation). A chunk attends to
 its own K/V as computed and to the cache as it stands, which is the engine's rule.
 """
 
@@ -91,24 +92,29 @@ class ReferenceServing:
         self.logprobs: list[float] = []  # of each generated token, as the engine reports them
 
     @torch.no_grad()
-    def forward(self, ids: list[int], mid_prompt: bool = False) -> tuple[int, float]:
-        """Run `ids` as one chunk: the greedy next token and its logprob. After a chunk
-        that does not end the prompt (`mid_prompt`) the whole prefix is compressed."""
+    def forward(self, ids: list[int]) -> tuple[int, float]:
+        """Run `ids` as one chunk: the greedy next token and its logprob."""
         out = self.hf(
             torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True
         )
         self.cache = out.past_key_values
         self.length += len(ids)
-        self.compress_before(self.length - (0 if mid_prompt else self.recent))
+        self.compress_before(self.length - self.recent)
         logp = out.logits[0, -1].float().log_softmax(-1)
         token = int(logp.argmax())
         return token, float(logp[token])
 
-    def generate(self, prompt: list[int], chunk: int, max_tokens: int) -> list[int]:
+    def generate(
+        self, prompt: list[int], chunk: int, max_tokens: int, cached: int = 0
+    ) -> list[int]:
         """Prefill `prompt` in chunks of `chunk`, then decode `max_tokens` greedily (the
-        last token sampled is not run, as in the engine)."""
-        for a in range(0, len(prompt), chunk):
-            token, logprob = self.forward(prompt[a : a + chunk], a + chunk < len(prompt))
+        last token sampled is not run, as in the engine). The first `cached` tokens run
+        as one chunk and are then compressed whole: the form a radix hit reads."""
+        if cached:
+            self.forward(prompt[:cached])
+            self.flush()
+        for a in range(cached, len(prompt), chunk):
+            token, logprob = self.forward(prompt[a : a + chunk])
         out = [token]
         self.logprobs = [logprob]
         while len(out) < max_tokens:

@@ -20,14 +20,15 @@ from sparsevllm.sparse.deltakv import TokenCodec  # noqa: E402
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(2, 16, 16), (3, 64, 96), (1, 32, 10)])  # Hkv, D, r
 @pytest.mark.parametrize("rope", [True, False])
-def test_kernel_matches_the_torch_decode(dtype, shape, rope):
+@pytest.mark.parametrize("bits", [4, 16])
+def test_kernel_matches_the_torch_decode(dtype, shape, rope, bits):
     hkv, d, r = shape
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     spec = DeltaKVSpec(layers=(0,), num_kv_heads=hkv, head_dim=d, latent_dims=(r,))
     compressor = DeltaKVCompressor(spec).to(DEVICE)
     freqs = (1.0 / 10000 ** (torch.arange(0, d, 2) / d)).to(DEVICE) if rope else None
-    codec = TokenCodec(compressor, 0, freqs, bits=4)
+    codec = TokenCodec(compressor, 0, freqs, bits=bits)
     n, rows, refs_per = 9, 50, 4
     full_k = torch.randn(rows, hkv, d, generator=g).to(DEVICE, dtype)
     full_v = torch.randn(rows, hkv, d, generator=g).to(DEVICE, dtype)
@@ -38,6 +39,9 @@ def test_kernel_matches_the_torch_decode(dtype, shape, rope):
     ref_k, ref_v, ref_pos = full_k[refs], full_v[refs], row_pos[refs].long()
     want_k, want_v = codec.decode_reference(codes, ref_k, ref_v, ref_pos, pos)
     up = compressor.codec(0).up_proj
-    got_k, got_v = reconstruct(codes, up.weight, up.bias, full_k, full_v, refs, row_pos, pos, freqs)
+    latents = codec.latents(codes)
+    got_k, got_v = reconstruct(
+        latents, up.weight, up.bias, full_k, full_v, refs, row_pos, pos, freqs
+    )
     torch.testing.assert_close(got_k, want_k, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(got_v, want_v, atol=2e-5, rtol=1e-5)

@@ -75,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run N decode steps (as configured) under cProfile: host functions by "
         "own and cumulative time per step",
     )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="JSON file of further engine settings and method knobs (e.g. DeltaKV's "
+        "deltakv_checkpoint); the flags above override it",
+    )
     p.add_argument("--json", help="write the step times and the kernel table here")
     return p.parse_args(argv)
 
@@ -96,6 +102,9 @@ def build(args: argparse.Namespace) -> LLM:
     )
     if args.decode_keep_tokens is not None:
         kwargs["decode_keep_tokens"] = args.decode_keep_tokens
+    if args.config:
+        with open(args.config) as f:
+            kwargs = {**json.load(f), **kwargs}
     return LLM(write_model_config(args.model_config), **kwargs)
 
 

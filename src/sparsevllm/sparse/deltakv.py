@@ -10,12 +10,12 @@ the full-precision K/V of sink, centers and recent windows live in shared rows.
   tokens that left its recent window (positions [start - recent, end - recent) of the
   step, centers and the first `sink_keep_tokens` excepted). A view the prefix store
   adopts (a finished request's radix entry or idle chain) is compressed whole first
-  (`finish_view`), so cached KV holds only sinks, centers and latents; so is the prefix
-  after a prompt chunk that is not the prompt's last (no recent window), so that a chunk
-  boundary and a cache boundary leave the same stored form: a radix hit reads what
-  recomputing the prompt with a chunk boundary where the cached prefix ends reads. A
-  prefill chunk reads its own K/V as computed and older tokens as stored (as every lossy
-  format: attention/torch_ref.py).
+  (`finish_view`), so cached KV holds only sinks, centers and latents: a radix hit or a
+  chain continuation reads what a request reads after a finished request's prefix. A
+  prompt chunk that does not end the prompt follows the step rule (its recent window
+  stays full), so a prompt cut by the scheduler reads what decode would read. A prefill
+  chunk reads its own K/V as computed and older tokens as stored (as every lossy format:
+  attention/torch_ref.py).
 - *reconstruct in decode*: the storage reads a compressed token as
   up(latent) + mean(its references' pre-RoPE vectors), the key rotated again at its
   position (`TokenCodec.decode`); the torch reference attention gathers those rows into
@@ -131,15 +131,16 @@ class TokenCodec:
         row_pos: torch.Tensor,  # [rows] int32 positions of the rows
         pos: torch.Tensor,  # [n] int64
     ) -> KVPair:
-        """K (rotated at `pos`), V `[n, Hkv, D]` float32: the Triton kernel on CUDA for
-        INT4 latents and linear maps, else `decode_reference`."""
-        if codes.is_cuda and self.bits == 4 and self.compressor.spec.hidden_dim == 0:
+        """K (rotated at `pos`), V `[n, Hkv, D]` float32: a GEMM and the Triton epilogue
+        on CUDA for linear up maps, else `decode_reference`."""
+        if codes.is_cuda and self.compressor.spec.hidden_dim == 0:
             from sparsevllm.attention.triton.deltakv import reconstruct
 
             up = self.compressor.codec(self.layer).up_proj
             assert isinstance(up, torch.nn.Linear)
+            latents = self.latents(codes)  # [n, r]
             return reconstruct(
-                codes, up.weight, up.bias, full_k, full_v, refs, row_pos, pos, self.freqs
+                latents, up.weight, up.bias, full_k, full_v, refs, row_pos, pos, self.freqs
             )
         return self.decode_reference(codes, full_k[refs], full_v[refs], row_pos[refs].long(), pos)
 
@@ -246,13 +247,13 @@ class DeltaKV(SparseMethod):
 
     # -- compress on store ------------------------------------------------------------
     def after_step(self, steps: list[SeqStep], scores: RowScores, kv: KVAccess) -> None:
-        """Compress what left the recent window; a prompt chunk that is not the prompt's
-        last leaves its prefix compressed whole, the form a cached prefix has, so that a
-        radix hit reads what recomputing with a chunk boundary there would read."""
+        """Compress what left the recent window, after a prompt chunk as after a decode
+        token: the next chunk reads the window before it in full precision, so where the
+        scheduler cuts a prompt (another prompt took part of the step) costs only the
+        tokens older than the window, which decode reads reconstructed anyway."""
         recent = self.config.recent_keep_tokens
         for step in steps:
-            mid_prompt = step.end < step.prompt_len
-            lo, hi = max(0, step.start - recent), step.end - (0 if mid_prompt else recent)
+            lo, hi = max(0, step.start - recent), step.end - recent
             if hi > lo:
                 self._compress(step.seq_id, lo, hi, kv)
 

@@ -1,17 +1,21 @@
-"""DeltaKV's reconstruct-in-decode as one Triton kernel (INT4 latents, linear up maps).
+"""DeltaKV's reconstruct-in-decode (linear up maps): a GEMM and a Triton epilogue.
 
-For each compressed token i and KV head h (one program each) the kernel computes, in
-float32 registers, what `TokenCodec.decode` (sparse/deltakv.py) computes with torch:
+What `TokenCodec.decode` (sparse/deltakv.py) computes with torch, for n compressed
+tokens at once:
 
-    latent = codes * scale + zero                       INT4, planar: channel c in byte
-                                                        c % P at bit 4 * (c // P)
-    x^     = W_up @ latent + b_up + mean_j refs_j       refs_j: the references' pre-RoPE
+    latent                                              the stored codes read back
+                                                        (`TokenCodec.latents`)
+    y      = latent @ W_up^T + b_up                     one [n, r] x [r, C] GEMM (cuBLAS)
+    x^     = y + mean_j refs_j                          refs_j: the references' pre-RoPE
                                                         K (un-rotated at their positions)
                                                         and V, read from the full rows
-    k      = rotate(x^ key part of head h, pos_i)       rotate-half RoPE
+    k      = rotate(x^ key part, pos_i)                 rotate-half RoPE
 
-so the up-projection, the references' mean and both rotations never leave registers. A
-head's key channels are handled as two halves (d and d + D/2) because RoPE pairs them.
+The up-projection is one GEMM over every token the step reads, so W_up is read once per
+layer, not once per token; the epilogue kernel (one program per token and KV head) reads
+y, gathers the references' rows, and keeps the references' mean and both rotations in
+registers. A head's key channels are handled as two halves (d and d + D/2) because RoPE
+pairs them.
 """
 
 from __future__ import annotations
@@ -24,23 +28,8 @@ from sparsevllm.attention.triton._common import next_pow2
 
 
 @triton.jit
-def _up_rows(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
-    w_ptr, b_ptr, c, dm, p, pm, lat_lo, lat_hi, R_DIM: tl.constexpr, P: tl.constexpr
-):
-    """Rows `c` `[BLOCK_H]` of W_up @ latent + b_up (the latent's two nibble planes)."""
-    mask = dm[:, None] & pm[None, :]
-    w_lo = tl.load(w_ptr + c[:, None] * R_DIM + p[None, :], mask=mask, other=0.0)
-    w_hi = tl.load(w_ptr + c[:, None] * R_DIM + P + p[None, :], mask=mask, other=0.0)
-    y = tl.sum(w_lo * lat_lo[None, :], axis=1) + tl.sum(w_hi * lat_hi[None, :], axis=1)
-    return y + tl.load(b_ptr + c, mask=dm, other=0.0)
-
-
-@triton.jit
 def _reconstruct_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
-    codes_ptr,  # [n, >= P] uint8
-    par_ptr,  # [n, 2] float32 scale, zero
-    w_ptr,  # [C, R_DIM] float32
-    b_ptr,  # [C] float32
+    y_ptr,  # [n, 2 * HKV * D] float32: W_up @ latent + b_up
     fk_ptr,  # [rows, HKV, D] full-row keys (post-RoPE)
     fv_ptr,  # [rows, HKV, D]
     refs_ptr,  # [n, NREF] int64 full rows
@@ -49,40 +38,29 @@ def _reconstruct_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     freqs_ptr,  # [HALF] float32
     k_out,  # [n, HKV, D] float32
     v_out,  # [n, HKV, D] float32
-    stride_codes,
     NREF: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
     HALF: tl.constexpr,
-    P: tl.constexpr,
-    R_DIM: tl.constexpr,
-    BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    p = tl.arange(0, BLOCK_P)
-    pm = p < P
-    byte = tl.load(codes_ptr + i * stride_codes + p, mask=pm, other=0).to(tl.int32)
-    scale = tl.load(par_ptr + 2 * i)
-    zero = tl.load(par_ptr + 2 * i + 1)
-    lat_lo = tl.where(pm, (byte & 15).to(tl.float32) * scale + zero, 0.0)
-    lat_hi = tl.where(pm, (byte >> 4).to(tl.float32) * scale + zero, 0.0)
     d = tl.arange(0, BLOCK_H)
     dm = d < HALF
-    ck = h * D + d
-    cv = HKV * D + h * D + d
-    y_klo = _up_rows(w_ptr, b_ptr, ck, dm, p, pm, lat_lo, lat_hi, R_DIM, P)
-    y_khi = _up_rows(w_ptr, b_ptr, ck + HALF, dm, p, pm, lat_lo, lat_hi, R_DIM, P)
-    y_vlo = _up_rows(w_ptr, b_ptr, cv, dm, p, pm, lat_lo, lat_hi, R_DIM, P)
-    y_vhi = _up_rows(w_ptr, b_ptr, cv + HALF, dm, p, pm, lat_lo, lat_hi, R_DIM, P)
+    y_k = y_ptr + i * 2 * HKV * D + h * D + d
+    y_v = y_k + HKV * D
+    y_klo = tl.load(y_k, mask=dm, other=0.0)
+    y_khi = tl.load(y_k + HALF, mask=dm, other=0.0)
+    y_vlo = tl.load(y_v, mask=dm, other=0.0)
+    y_vhi = tl.load(y_v + HALF, mask=dm, other=0.0)
     freqs = tl.load(freqs_ptr + d, mask=dm, other=0.0)
     acc_klo = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc_khi = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc_vlo = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc_vhi = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(NREF):
-        row = tl.load(refs_ptr + i * NREF + j)
+        row = tl.load(refs_ptr + i * NREF + j)  # int64: rows x HKV x D may pass 2^31
         ang = tl.load(row_pos_ptr + row).to(tl.float32) * freqs
         cos, sin = tl.cos(ang), tl.sin(ang)
         at = fk_ptr + row * HKV * D + h * D + d
@@ -105,7 +83,7 @@ def _reconstruct_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
 
 
 def reconstruct(
-    codes: torch.Tensor,  # [n, >= r / 2 + 4] uint8: INT4 codes, then float16 scale, zero
+    latents: torch.Tensor,  # [n, r] float32 (the stored codes read back)
     up_weight: torch.Tensor,  # [C, r]
     up_bias: torch.Tensor,  # [C]
     full_k: torch.Tensor,  # [rows, Hkv, D]
@@ -115,22 +93,18 @@ def reconstruct(
     pos: torch.Tensor,  # [n]
     freqs: torch.Tensor | None,  # [D / 2] (None: no RoPE)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # K (post-RoPE at pos), V: [n, Hkv, D] float32
-    """Compressed tokens' K and V from their INT4 codes and references (module docstring)."""
-    n, r = refs.shape[0], up_weight.shape[1]
+    """Compressed tokens' K and V from their latents and references (module docstring)."""
+    n = refs.shape[0]
     hkv, d = full_k.shape[1:]
-    half = r // 2
-    par = codes[:, half : half + 4].contiguous().view(torch.float16).float()  # [n, 2]
-    if freqs is None:
-        freqs = torch.zeros(d // 2, device=codes.device)  # angle 0: no rotation
-    k = torch.empty((n, hkv, d), dtype=torch.float32, device=codes.device)
+    k = torch.empty((n, hkv, d), dtype=torch.float32, device=latents.device)
     v = torch.empty_like(k)
     if n == 0:
         return k, v
+    y = torch.addmm(up_bias.float(), latents.float(), up_weight.float().T)  # [n, C]
+    if freqs is None:
+        freqs = torch.zeros(d // 2, device=latents.device)  # angle 0: no rotation
     _reconstruct_kernel[(n, hkv)](
-        codes,
-        par,
-        up_weight.float().contiguous(),
-        up_bias.float().contiguous(),
+        y,
         full_k.contiguous(),
         full_v.contiguous(),
         refs.long().contiguous(),
@@ -139,14 +113,10 @@ def reconstruct(
         freqs.float().contiguous(),
         k,
         v,
-        codes.stride(0),
         NREF=refs.shape[1],
         HKV=hkv,
         D=d,
         HALF=d // 2,
-        P=half,
-        R_DIM=r,
-        BLOCK_P=next_pow2(half),
         BLOCK_H=next_pow2(d // 2),
     )
     return k, v
