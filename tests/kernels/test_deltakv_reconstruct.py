@@ -39,9 +39,7 @@ def test_kernel_matches_the_torch_decode(dtype, shape, rope, bits):
     ref_k, ref_v, ref_pos = full_k[refs], full_v[refs], row_pos[refs].long()
     want_k, want_v = codec.decode_reference(codes, ref_k, ref_v, ref_pos, pos)
     up = compressor.codec(0).up_proj
-    latents = codec.latents(codes)
-    got_k, got_v = reconstruct(
-        latents, up.weight, up.bias, full_k, full_v, refs, row_pos, pos, freqs
-    )
+    y = up(codec.latents(codes))
+    got_k, got_v = reconstruct(y, full_k, full_v, refs, row_pos, pos, freqs)
     torch.testing.assert_close(got_k, want_k, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(got_v, want_v, atol=2e-5, rtol=1e-5)

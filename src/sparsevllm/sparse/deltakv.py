@@ -137,11 +137,9 @@ class TokenCodec:
             from sparsevllm.attention.triton.deltakv import reconstruct
 
             up = self.compressor.codec(self.layer).up_proj
-            assert isinstance(up, torch.nn.Linear)
-            latents = self.latents(codes)  # [n, r]
-            return reconstruct(
-                latents, up.weight, up.bias, full_k, full_v, refs, row_pos, pos, self.freqs
-            )
+            dtype = next(up.parameters()).dtype
+            y = up(self.latents(codes).to(dtype))  # [n, 2 * Hkv * D]
+            return reconstruct(y, full_k, full_v, refs, row_pos, pos, self.freqs)
         return self.decode_reference(codes, full_k[refs], full_v[refs], row_pos[refs].long(), pos)
 
     def decode_reference(

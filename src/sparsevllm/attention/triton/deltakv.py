@@ -3,16 +3,15 @@
 What `TokenCodec.decode` (sparse/deltakv.py) computes with torch, for n compressed
 tokens at once:
 
-    latent                                              the stored codes read back
-                                                        (`TokenCodec.latents`)
-    y      = latent @ W_up^T + b_up                     one [n, r] x [r, C] GEMM (cuBLAS)
+    y      = up(latent)                                 the caller's up map, one GEMM
+                                                        over the step's tokens
     x^     = y + mean_j refs_j                          refs_j: the references' pre-RoPE
                                                         K (un-rotated at their positions)
                                                         and V, read from the full rows
     k      = rotate(x^ key part, pos_i)                 rotate-half RoPE
 
-The up-projection is one GEMM over every token the step reads, so W_up is read once per
-layer, not once per token; the epilogue kernel (one program per token and KV head) reads
+The up map runs once over every token the step reads (the compressor's own module), so
+W_up is read once per layer, not once per token; the epilogue kernel (one program per token and KV head) reads
 y, gathers the references' rows, and keeps the references' mean and both rotations in
 registers. A head's key channels are handled as two halves (d and d + D/2) because RoPE
 pairs them.
@@ -83,9 +82,7 @@ def _reconstruct_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
 
 
 def reconstruct(
-    latents: torch.Tensor,  # [n, r] float32 (the stored codes read back)
-    up_weight: torch.Tensor,  # [C, r]
-    up_bias: torch.Tensor,  # [C]
+    y: torch.Tensor,  # [n, 2 * Hkv * D]: the up map of the latents
     full_k: torch.Tensor,  # [rows, Hkv, D]
     full_v: torch.Tensor,  # [rows, Hkv, D]
     refs: torch.Tensor,  # [n, R] full rows
@@ -93,18 +90,18 @@ def reconstruct(
     pos: torch.Tensor,  # [n]
     freqs: torch.Tensor | None,  # [D / 2] (None: no RoPE)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # K (post-RoPE at pos), V: [n, Hkv, D] float32
-    """Compressed tokens' K and V from their latents and references (module docstring)."""
+    """Compressed tokens' K and V from their up-projected latents and references (module
+    docstring)."""
     n = refs.shape[0]
     hkv, d = full_k.shape[1:]
-    k = torch.empty((n, hkv, d), dtype=torch.float32, device=latents.device)
+    k = torch.empty((n, hkv, d), dtype=torch.float32, device=y.device)
     v = torch.empty_like(k)
     if n == 0:
         return k, v
-    y = torch.addmm(up_bias.float(), latents.float(), up_weight.float().T)  # [n, C]
     if freqs is None:
-        freqs = torch.zeros(d // 2, device=latents.device)  # angle 0: no rotation
+        freqs = torch.zeros(d // 2, device=y.device)  # angle 0: no rotation
     _reconstruct_kernel[(n, hkv)](
-        y,
+        y.float().contiguous(),
         full_k.contiguous(),
         full_v.contiguous(),
         refs.long().contiguous(),
