@@ -239,7 +239,9 @@ PY
       # Issue 16 item 4: dummy Llama-3-8B with a random compressor of real dims (latent
       # 512 = kv_dim / 4, stride 10, 4 references): decode at 32K and 128K, batch 1 and
       # DeltaKV's largest batch at 32K, beside vanilla and SnapKV (2,048); a profile of
-      # DeltaKV's 32K decode steps. DK_LENS / DK_METHODS choose a subset.
+      # DeltaKV's 32K decode steps. DK_LENS / DK_METHODS (batch 1) and DK_MAX_LENS /
+      # DK_MAX_METHODS (largest batch) choose a subset; DK_MAX_OUT / DK_MAX_RUN_S the
+      # largest-batch runs' output tokens and time limit, DK_MAX_SEQS their max_num_seqs.
       python scripts/deltakv_random_compressor.py --model-config llama3-8b --out /tmp/dk8b.safetensors
       DK="--deltakv-checkpoint /tmp/dk8b.safetensors"
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr H h)
@@ -256,14 +258,18 @@ PY
              "$OUT/deltakv_${gpu:-gpu}_${m}_$((n / 1024))k_b1.json"
         done
       done
-      # Largest batch at 32K (decode-capacity mode) of each of DK_MAX_METHODS.
-      for m in ${DK_MAX_METHODS-deltakv}; do
-        knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK"
-        timeout ${DK_RUN_S:-240} $M --prompt-len 32768 --output-len 16 --max-model-len 32896 \
-           --max-batch --decode-capacity --max-num-seqs 1024 --sparse-method $m $knobs \
-           --json "$OUT/deltakv_${gpu:-gpu}_${m}_32k_max_cap.json" > "$OUT/deltakv_32k_max_$m.log" 2>&1 ||
-          echo "failed: $m max"
-        grep -E '"(batch_size|decode_tokens_per_s|kv_bytes_per_slot)"' "$OUT/deltakv_${gpu:-gpu}_${m}_32k_max_cap.json"
+      # Largest batch (decode-capacity mode) of each of DK_MAX_METHODS at each of DK_MAX_LENS.
+      for n in ${DK_MAX_LENS-32768}; do
+        pl=$n; [ $n -gt 65536 ] && pl=$((n - 128))
+        for m in ${DK_MAX_METHODS-deltakv}; do
+          knobs=""; [ $m = snapkv ] && knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK"
+          f="$OUT/deltakv_${gpu:-gpu}_${m}_$((n / 1024))k_max_cap.json"
+          timeout ${DK_MAX_RUN_S:-${DK_RUN_S:-240}} $M --prompt-len $pl --output-len ${DK_MAX_OUT:-16} \
+             --max-model-len $((pl + 128)) --max-batch --decode-capacity --max-num-seqs ${DK_MAX_SEQS:-1024} \
+             --sparse-method $m $knobs --json "$f" > "$OUT/deltakv_${n}_max_$m.log" 2>&1 ||
+            { echo "failed: $m max $n"; tail -3 "$OUT/deltakv_${n}_max_$m.log"; }
+          grep -hE '"(batch_size|decode_tokens_per_s|time_per_output_token_s|kv_bytes_per_slot)"' "$f"
+        done
       done
       # Where a 32K decode step goes (kernel table): the reconstruction GEMM and epilogue.
       echo '{"deltakv_checkpoint": "/tmp/dk8b.safetensors"}' > /tmp/dk8b.json

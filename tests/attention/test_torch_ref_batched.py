@@ -27,9 +27,12 @@ def _batch(tables: torch.Tensor, lens: list[int]) -> ForwardBatch:
     return batch
 
 
+@pytest.mark.parametrize("max_read", [torch_ref.MAX_READ_TOKENS, 80, 1])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 6)])
-def test_padded_decode_equals_per_sequence(window, heads):
+def test_padded_decode_equals_per_sequence(window, heads, max_read):
+    """Whole batch at once, in groups of two sequences (80 entries of width 40), or one
+    at a time (a bound below one view still reads a whole sequence)."""
     torch.manual_seed(0)
     hq, hkv, d, slots = *heads, 16, 200
     lens = [1, 9, 37, 20]
@@ -44,7 +47,7 @@ def test_padded_decode_equals_per_sequence(window, heads):
     q = torch.randn(len(lens), hq, d).double()
     batch = _batch(tables, lens)
     assert torch_ref._batched_decode(0, batch, window)
-    got = torch_ref.attend_decode_batch(q, storage, batch, 0, 0.25, window)
+    got = torch_ref.attend_decode_batch(q, storage, batch, 0, 0.25, window, max_read)
     for i, n in enumerate(lens):
         k, v = storage.read(tables[0, i, :n].long())
         want = torch_ref.attend(q[i : i + 1], k, v, 0.25, window)

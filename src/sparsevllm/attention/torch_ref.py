@@ -21,6 +21,13 @@ from sparsevllm.attention.sparse_prefill import attend_block_sparse, estimate_re
 from sparsevllm.kv.format import KVStorage
 
 
+# Padded view entries one batched decode read gathers at most (a 128K view, or four of
+# 32K): a storage that decodes what it reads (DeltaKV's reconstruction, KIVI's
+# dequantization) materializes float32 K/V for them, ~8 KB per entry at Llama-3-8B's
+# KV heads, so a large decode batch reads in groups instead of all at once.
+MAX_READ_TOKENS = 1 << 17
+
+
 class TorchRefBackend(AttentionBackend):
     name = "torch"
     graph_safe = False  # host loops and host syncs per sequence
@@ -143,18 +150,42 @@ def attend_decode_batch(
     group: int,
     scale: float,
     window: int | None,
+    max_read_tokens: int = MAX_READ_TOKENS,
 ) -> torch.Tensor:
     """Single-query attention of every sequence over its view, padded to the longest:
-    q `[S, Hq, D]` -> `[S, Hq, Dv]`. Table entries past a view's end are masked out."""
-    s, hq = q.shape[:2]
+    q `[S, Hq, D]` -> `[S, Hq, Dv]`. Table entries past a view's end are masked out.
+    Sequences go in groups of at most `max_read_tokens` padded entries (at least one
+    sequence), so the gathered (and, for a lossy format, decoded) K/V stays bounded."""
     slots, visible = batch.padded_views(group)  # [S, Lmax] each
     width = slots.shape[1]
     if window is not None:  # the query (entry L - 1) sees itself and window - 1 before it
         lens = visible.sum(dim=1, keepdim=True)  # [S, 1]
         cols = torch.arange(width, device=q.device)[None, :]
         visible = visible & (cols > lens - 1 - window)
-    slots = slots.reshape(-1)
-    k, v = storage.read(slots)  # [S * Lmax, Hkv, D], [S * Lmax, Hkv, Dv]
+    per_group = max(1, max_read_tokens // max(width, 1))
+    outs = [
+        _attend_padded(
+            q[i : i + per_group],
+            storage,
+            slots[i : i + per_group],
+            visible[i : i + per_group],
+            scale,
+        )
+        for i in range(0, q.shape[0], per_group)
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attend_padded(
+    q: torch.Tensor,  # [S, Hq, D]
+    storage: KVStorage,
+    slots: torch.Tensor,  # [S, Lmax]
+    visible: torch.Tensor,  # [S, Lmax] bool
+    scale: float,
+) -> torch.Tensor:  # [S, Hq, Dv]
+    s, hq = q.shape[:2]
+    width = slots.shape[1]
+    k, v = storage.read(slots.reshape(-1))  # [S * Lmax, Hkv, D], [S * Lmax, Hkv, Dv]
     hkv = k.shape[1]
     kt = k.to(q.dtype).view(s, width, hkv, -1).transpose(1, 2)  # [S, Hkv, Lmax, D]
     vt = v.to(q.dtype).view(s, width, hkv, -1).transpose(1, 2)
