@@ -23,6 +23,7 @@ from sparsevllm.deltakv.checkpoint import load_compressor
 from sparsevllm.deltakv.compressor import join_kv, split_kv
 from sparsevllm.deltakv.latent_codes import quantize_latents
 from sparsevllm.deltakv.rope import rotate, unrotate
+from sparsevllm.sparse import deltakv as deltakv_method
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
 FIRST = [1] + [(5 * i) % 240 + 3 for i in range(90)]
@@ -82,6 +83,18 @@ def test_tokens_equal_the_plain_reference(model, checkpoint, bits, chunk):
         assert_same(out, ref.generate(prompt, chunk, GREEDY.max_tokens), ref)
         differs += out.token_ids != plain.token_ids
     assert differs  # compression changed what the model read
+
+
+def test_decode_batches_searched_in_small_groups_equal_the_reference(
+    model, checkpoint, monkeypatch
+):
+    """A decode step compresses its sequences' tokens together, in groups bounded by
+    the centers they search; groups of one sequence give the same tokens."""
+    monkeypatch.setattr(deltakv_method, "MAX_SEARCH_ENTRIES", 1)
+    outs = deltakv(model, checkpoint).generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(MATRIX_PROMPTS, outs):
+        ref = ReferenceServing(model, checkpoint, RECENT)
+        assert_same(out, ref.generate(prompt, 512, GREEDY.max_tokens), ref)
 
 
 def test_layers_of_different_latent_widths(model, tmp_path):

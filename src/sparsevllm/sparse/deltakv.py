@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from sparsevllm.deltakv.centers import is_center
 from sparsevllm.deltakv.checkpoint import CheckpointInfo, load_compressor, read_info
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
     from sparsevllm.calibration.schema import ModelIdentity
 
 LATENT_BITS = (4, 16)
+# Candidate centers one batched search of decode tokens holds at most (summed over its
+# sequences): 65,536 float32 vectors, 512 MiB at Llama-3-8B's 2 x 8 x 128 channels.
+MAX_SEARCH_ENTRIES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,23 @@ class TokenCodec:
         self.compressor, self.layer, self.freqs, self.bits = compressor, layer, freqs, bits
         self.width = compressor.spec.latent_dim(layer)
         self.num_kv_heads, self.head_dim = compressor.spec.num_kv_heads, compressor.spec.head_dim
+        self._up_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _up_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear up map's weight `[C, r]` and bias `[C]` for the GEMM of a pool in
+        `dtype`: the compressor's own (float32) for a float32 pool; a 16-bit pool, whose
+        rows hold the result in 16 bits anyway, runs the GEMM in its dtype (float32
+        accumulation) from a copy made once, which reads W_up in half the bytes and runs
+        on the tensor cores."""
+        up = self.compressor.codec(self.layer).up_proj
+        assert isinstance(up, torch.nn.Linear)
+        if dtype.itemsize >= up.weight.dtype.itemsize:
+            return up.weight, up.bias
+        cached = self._up_cache.get(dtype)
+        if cached is None or cached[0].device != up.weight.device:
+            cached = (up.weight.detach().to(dtype), up.bias.detach().to(dtype))
+            self._up_cache[dtype] = cached
+        return cached
 
     def code_bytes(self) -> int:
         return self.width // 2 + 4 if self.bits == 4 else 2 * self.width
@@ -136,9 +157,8 @@ class TokenCodec:
         if codes.is_cuda and self.compressor.spec.hidden_dim == 0:
             from sparsevllm.attention.triton.deltakv import reconstruct
 
-            up = self.compressor.codec(self.layer).up_proj
-            dtype = next(up.parameters()).dtype
-            y = up(self.latents(codes).to(dtype))  # [n, 2 * Hkv * D]
+            weight, bias = self._up_weights(full_k.dtype)
+            y = F.linear(self.latents(codes).to(weight.dtype), weight, bias)  # [n, 2*Hkv*D]
             return reconstruct(y, full_k, full_v, refs, row_pos, pos, self.freqs)
         return self.decode_reference(codes, full_k[refs], full_v[refs], row_pos[refs].long(), pos)
 
@@ -248,16 +268,26 @@ class DeltaKV(SparseMethod):
         """Compress what left the recent window, after a prompt chunk as after a decode
         token: the next chunk reads the window before it in full precision, so where the
         scheduler cuts a prompt (another prompt took part of the step) costs only the
-        tokens older than the window, which decode reads reconstructed anyway."""
+        tokens older than the window, which decode reads reconstructed anyway. Sequences
+        that compress one token (decode steps) are compressed together."""
         recent = self.config.recent_keep_tokens
+        singles: list[tuple[int, int]] = []  # (seq_id, position)
         for step in steps:
-            lo, hi = max(0, step.start - recent), step.end - recent
-            if hi > lo:
-                self._compress(step.seq_id, lo, hi, kv)
+            pos = self._compressible(max(0, step.start - recent), step.end - recent)
+            if pos.numel() == 1:
+                singles.append((step.seq_id, int(pos[0])))
+            elif pos.numel():
+                self._compress(step.seq_id, pos, kv)
+        if len(singles) == 1:
+            self._compress(singles[0][0], torch.tensor([singles[0][1]]), kv)
+        elif singles:
+            self._compress_singles(singles, kv)
 
     def finish_view(self, seq_id: int, kv: KVAccess) -> None:
         """Before the prefix store adopts the view: compress its recent window too."""
-        self._compress(seq_id, 0, kv.resident(seq_id, self.layers[0]), kv)
+        pos = self._compressible(0, kv.resident(seq_id, self.layers[0]))
+        if pos.numel():
+            self._compress(seq_id, pos, kv)
 
     def _compressible(self, lo: int, hi: int) -> torch.Tensor:
         """Positions in [lo, hi) stored as latents: `[n]` int64."""
@@ -265,16 +295,17 @@ class DeltaKV(SparseMethod):
         pos = torch.arange(max(lo, self._sink()), max(hi, lo, self._sink()))
         return pos[~is_center(pos, spec.sink_tokens, spec.center_stride)]
 
-    def _compress(self, seq_id: int, lo: int, hi: int, kv: KVAccess) -> None:
-        """Compress the full tokens at positions [lo, hi) of `seq_id` at every layer (one
-        view serves them all: the method keeps every token, view index = position)."""
-        pos = self._compressible(lo, hi)
-        if not pos.numel():
-            return
-        view = torch.tensor(kv.view_slots(seq_id, self.layers[0]), dtype=torch.long)
+    def _centers_before(self, end: int) -> torch.Tensor:
+        """Center positions before `end`: `[M]` int64 (the same in every sequence)."""
         spec = self.info.spec
-        c_pos = torch.arange(int(pos.max()))
-        c_pos = c_pos[is_center(c_pos, spec.sink_tokens, spec.center_stride)]
+        c_pos = torch.arange(end)
+        return c_pos[is_center(c_pos, spec.sink_tokens, spec.center_stride)]
+
+    def _compress(self, seq_id: int, pos: torch.Tensor, kv: KVAccess) -> None:
+        """Compress the full tokens at positions `pos` `[n]` of `seq_id` at every layer
+        (one view serves them all: the method keeps every token, view index = position)."""
+        view = torch.tensor(kv.view_slots(seq_id, self.layers[0]), dtype=torch.long)
+        c_pos = self._centers_before(int(pos.max()))
         for layer in self.layers:
             storage = self.storages[layer]
             slots = view[pos].to(storage.device)
@@ -299,6 +330,80 @@ class DeltaKV(SparseMethod):
         idx = nearest_centers(xt, pos_d, xc, c_pos_d, self.info.spec.num_references)  # [n, R]
         latent = self._loaded().compress(layer, xt, xc[idx])  # [n, r]
         storage.compress(slots, pos_d, codec.encode(latent), c_slots[idx], c_pos_d[idx])
+
+    def _compress_singles(self, singles: list[tuple[int, int]], kv: KVAccess) -> None:
+        """One token `(seq_id, position)` of each of several sequences (a decode step's
+        batch), compressed together: per sequence this is `_compress` of one position.
+        Groups hold at most `MAX_SEARCH_ENTRIES` candidate centers, which bounds the
+        float32 center vectors a group's search holds (~8 KB each at Llama-3-8B)."""
+        views = [
+            torch.tensor(kv.view_slots(seq, self.layers[0]), dtype=torch.long) for seq, _ in singles
+        ]
+        pos = torch.tensor([p for _, p in singles])  # [B]
+        c_pos = self._centers_before(int(pos.max()))  # [M]: centers are positional
+        counts = torch.searchsorted(c_pos, pos)  # [B] centers before each token
+        if int(counts.min()) < self.info.spec.num_references:  # only within the sink
+            for seq, p in singles:
+                self._compress(seq, torch.tensor([p]), kv)
+            return
+        order = torch.argsort(counts).tolist()  # similar lengths share a group's padding
+        group: list[int] = []
+        for b in order:
+            if group and (len(group) + 1) * int(counts[b]) > MAX_SEARCH_ENTRIES:
+                self._compress_group(group, pos, views, c_pos, counts)
+                group = []
+            group.append(b)
+        self._compress_group(group, pos, views, c_pos, counts)
+
+    def _compress_group(
+        self,
+        group: list[int],  # indices into the batch below
+        pos: torch.Tensor,  # [B] each sequence's token
+        views: list[torch.Tensor],  # B views (host slot ids)
+        c_pos: torch.Tensor,  # [M] center positions
+        counts: torch.Tensor,  # [B] centers before each token
+    ) -> None:
+        """Compress one token of each sequence in `group` at every layer."""
+        m = int(counts[group].max())
+        # [G, m] center slots, a sequence's missing ones padded with its first center
+        # (masked out of the search).
+        table = torch.stack([_padded(views[b][c_pos[: int(counts[b])]], m) for b in group])
+        slots = torch.stack([views[b][pos[b]] for b in group])  # [G]
+        valid = torch.arange(m)[None, :] < counts[group][:, None]  # [G, m]
+        for layer in self.layers:
+            storage = self.storages[layer]
+            dev = storage.device
+            full = storage.is_full(slots.to(dev)).cpu()
+            if bool(full.any()):
+                self._compress_batch_layer(
+                    layer, pos[group][full], slots[full], c_pos[:m], table[full], valid[full]
+                )
+
+    def _compress_batch_layer(
+        self,
+        layer: int,
+        pos: torch.Tensor,  # [G] one token per sequence
+        slots: torch.Tensor,  # [G]
+        c_pos: torch.Tensor,  # [m] center positions (shared)
+        table: torch.Tensor,  # [G, m] each sequence's center slots
+        valid: torch.Tensor,  # [G, m] bool: a center of that sequence before its token
+    ) -> None:
+        """`_compress_layer` of one token per sequence, the center search batched."""
+        storage, codec = self.storages[layer], self.codecs[layer]
+        dev = storage.device
+        g, m = table.shape
+        pos_d, c_pos_d, table_d = pos.to(dev), c_pos.to(dev), table.to(dev)
+        slots_d = slots.to(dev)
+        xt = codec.vectors(*storage.read(slots_d), pos_d)  # [G, C]
+        ck, cv = storage.read(table_d.reshape(-1))  # [G * m, Hkv, D]
+        xc = codec.vectors(ck, cv, c_pos_d.repeat(g)).view(g, m, -1)  # [G, m, C]
+        dot = torch.bmm(xc, xt[:, :, None])[..., 0]  # [G, m]
+        dist = (xt * xt).sum(-1, keepdim=True) + (xc * xc).sum(-1) - 2.0 * dot
+        dist = dist.masked_fill(~valid.to(dev), float("inf"))
+        idx = torch.sort(dist, dim=-1, stable=True).indices[:, : self.info.spec.num_references]
+        refs = xc.gather(1, idx[..., None].expand(-1, -1, xc.shape[-1]))  # [G, R, C]
+        latent = self._loaded().compress(layer, xt, refs)  # [G, r]
+        storage.compress(slots_d, pos_d, codec.encode(latent), table_d.gather(1, idx), c_pos_d[idx])
 
     # -- reconstruct in decode: which compressed tokens a query reads -----------------
     def select_view(
@@ -326,6 +431,11 @@ class DeltaKV(SparseMethod):
         keep = storage.is_full(view).clone()
         keep[best] = True
         return keep.nonzero().flatten()
+
+
+def _padded(slots: torch.Tensor, width: int) -> torch.Tensor:
+    """Center slots `[n]` -> `[width]`, the tail repeating the first (masked anyway)."""
+    return torch.cat([slots, slots[:1].expand(width - slots.numel())])
 
 
 def _read_checkpoint(path: str) -> CheckpointInfo:

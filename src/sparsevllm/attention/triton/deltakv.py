@@ -10,9 +10,10 @@ tokens at once:
                                                         and V, read from the full rows
     k      = rotate(x^ key part, pos_i)                 rotate-half RoPE
 
-The up map runs once over every token the step reads (the compressor's own module), so
-W_up is read once per layer, not once per token; the epilogue kernel (one program per token and KV head) reads
-y, gathers the references' rows, and keeps the references' mean and both rotations in
+The up map runs once over every token the step reads (the caller's GEMM: float32 for a
+float32 pool, the pool's dtype with float32 accumulation for a 16-bit one, whose rows
+hold the result in 16 bits anyway), so W_up is read once per layer, not once per token;
+the epilogue kernel (one program per token and KV head) reads y, gathers the references' rows, and keeps the references' mean and both rotations in
 registers. A head's key channels are handled as two halves (d and d + D/2) because RoPE
 pairs them.
 """
@@ -28,7 +29,7 @@ from sparsevllm.attention.triton._common import next_pow2
 
 @triton.jit
 def _reconstruct_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
-    y_ptr,  # [n, 2 * HKV * D] float32: W_up @ latent + b_up
+    y_ptr,  # [n, 2 * HKV * D] float32 or the pool's 16-bit dtype: W_up @ latent + b_up
     fk_ptr,  # [rows, HKV, D] full-row keys (post-RoPE)
     fv_ptr,  # [rows, HKV, D]
     refs_ptr,  # [n, NREF] int64 full rows
@@ -49,10 +50,10 @@ def _reconstruct_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     dm = d < HALF
     y_k = y_ptr + i * 2 * HKV * D + h * D + d
     y_v = y_k + HKV * D
-    y_klo = tl.load(y_k, mask=dm, other=0.0)
-    y_khi = tl.load(y_k + HALF, mask=dm, other=0.0)
-    y_vlo = tl.load(y_v, mask=dm, other=0.0)
-    y_vhi = tl.load(y_v + HALF, mask=dm, other=0.0)
+    y_klo = tl.load(y_k, mask=dm, other=0.0).to(tl.float32)
+    y_khi = tl.load(y_k + HALF, mask=dm, other=0.0).to(tl.float32)
+    y_vlo = tl.load(y_v, mask=dm, other=0.0).to(tl.float32)
+    y_vhi = tl.load(y_v + HALF, mask=dm, other=0.0).to(tl.float32)
     freqs = tl.load(freqs_ptr + d, mask=dm, other=0.0)
     acc_klo = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc_khi = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -82,7 +83,7 @@ def _reconstruct_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
 
 
 def reconstruct(
-    y: torch.Tensor,  # [n, 2 * Hkv * D]: the up map of the latents
+    y: torch.Tensor,  # [n, 2 * Hkv * D]: the up map of the latents (float32 or 16-bit)
     full_k: torch.Tensor,  # [rows, Hkv, D]
     full_v: torch.Tensor,  # [rows, Hkv, D]
     refs: torch.Tensor,  # [n, R] full rows
@@ -101,7 +102,7 @@ def reconstruct(
     if freqs is None:
         freqs = torch.zeros(d // 2, device=y.device)  # angle 0: no rotation
     _reconstruct_kernel[(n, hkv)](
-        y.float().contiguous(),
+        y.contiguous(),
         full_k.contiguous(),
         full_v.contiguous(),
         refs.long().contiguous(),
