@@ -20,7 +20,6 @@ from sparsevllm.attention.latent_expansion import LatentExpansion
 from sparsevllm.attention.sparse_prefill import attend_block_sparse, estimate_reference
 from sparsevllm.kv.format import KVStorage
 
-
 # Padded view entries one batched decode read gathers at most (a 128K view, or four of
 # 32K): a storage that decodes what it reads (DeltaKV's reconstruction, KIVI's
 # dequantization) materializes float32 K/V for them, ~8 KB per entry at Llama-3-8B's
