@@ -41,6 +41,9 @@ FIELD_HELP: dict[str, str] = {
     "dtype": "Compute and KV dtype: auto (bfloat16 on CUDA and on CPUs with native bfloat16, "
     "AVX512-BF16 or AMX; float32 on other CPUs), float32, float16, bfloat16.",
     "device": "Device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.",
+    "tensor_parallel_size": "Ranks the model is split over (attention heads, MLP rows, "
+    "vocabulary), one process each: GPUs 0..N-1 on CUDA (NCCL), processes on CPU (gloo). "
+    "Every rank keeps exactly the tokens one rank would keep.",
     "cpu_threads": "Threads a CPU engine computes with (default: the cores of the process's "
     "CPU affinity that no other process keeps busy, or OMP_NUM_THREADS when set).",
     "seed": "Seed for dummy weights and for sampling of requests without their own seed.",
@@ -151,6 +154,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
+    tensor_parallel_size: int = 1
     cpu_threads: int | None = None
     seed: int = 0
     max_model_len: int | None = None
@@ -196,7 +200,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_type("seed", self.seed, int)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_prefill_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "chunk_prefill_size",
+            "tensor_parallel_size",
+        ):
             _check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_slots", "cpu_threads"):
             if getattr(self, name) is not None:
@@ -236,6 +245,31 @@ class EngineConfig:
             )
         self._validate_sparse()
         self._validate_prefill_sparse()
+        self._validate_tensor_parallel()
+
+    def _validate_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size == 1:
+            return
+        if self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device {self.device!r} names one GPU; tensor_parallel_size "
+                f"{self.tensor_parallel_size} runs on GPUs 0..{self.tensor_parallel_size - 1} "
+                "(use device cuda and CUDA_VISIBLE_DEVICES to choose them)"
+            )
+        if self.cpu_compile == "on":
+            raise ValueError(
+                "cpu_compile on compiles whole decoder layers, which tensor parallelism "
+                "splits with collectives between ranks: use cpu_compile off or auto"
+            )
+        for name in self.served_methods:
+            reason = method_spec(name).tensor_parallel_refusal
+            if reason is not None:
+                usable = [s.name for s in all_specs() if s.tensor_parallel_refusal is None]
+                raise ValueError(
+                    f"sparse_method {name!r} cannot run with tensor_parallel_size "
+                    f"{self.tensor_parallel_size}: {reason} (methods that can: "
+                    f"{', '.join(usable)})"
+                )
 
     def _validate_prefill_sparse(self) -> None:
         _check_choice("prefill_sparse_method", self.prefill_sparse_method, PREFILL_SPARSE_METHODS)

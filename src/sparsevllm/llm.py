@@ -132,10 +132,19 @@ class LLM:
         `disk_offload_dir`), so that an LLM started later with the same model and KV
         settings reuses them, then free the engine's device memory (weights, KV pool,
         CUDA graphs) so another engine can start in this process; this LLM cannot
-        generate afterwards."""
-        self.engine.drain()
-        self.engine.persist_chains()
-        self.engine.runner.free_device_memory(weights=True)
+        generate afterwards. A tensor-parallel engine's worker ranks stop too."""
+        try:
+            self.engine.drain()
+            self.engine.persist_chains()
+        finally:
+            self.engine.runner.free_device_memory(weights=True)
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _run(
         self, requests: list[tuple[int, Prompt, SamplingParams]], num_prompts: int, use_tqdm: bool

@@ -42,9 +42,13 @@ def choose_cpu_threads(requested: int | None) -> tuple[int, str]:
     return free, why
 
 
-def apply_cpu_threads(requested: int | None) -> int:
-    """Set torch's intra-op threads for a CPU engine; returns the count."""
+def apply_cpu_threads(requested: int | None, share: int = 1) -> int:
+    """Set torch's intra-op threads for a CPU engine; returns the count. `share`: how
+    many processes split the cores found (tensor-parallel ranks), when none is asked for."""
     threads, why = choose_cpu_threads(requested)
+    if requested is None and share > 1:
+        threads = max(1, threads // share)
+        why += f", shared by {share} tensor-parallel ranks"
     torch.set_num_threads(threads)
     logger.info("CPU threads: %d (%s)", threads, why)
     return threads

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import traceback
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -18,7 +20,7 @@ from sparsevllm.engine.cache.store import (
 )
 from sparsevllm.engine.capacity import CapacityPlan, resolve_max_model_len
 from sparsevllm.engine.cpu_threads import apply_cpu_threads
-from sparsevllm.engine.devices import resolve_device
+from sparsevllm.engine.devices import resolve_device, resolve_dtype
 from sparsevllm.engine.kv_pool import KVPool, shuffle_seed
 from sparsevllm.engine.output_processor import OutputProcessor
 from sparsevllm.engine.prune import prune_cache
@@ -30,6 +32,15 @@ from sparsevllm.engine.step_loop import StepLoop
 from sparsevllm.engine.step_plan import plan_step
 from sparsevllm.engine.store_setup import build_store
 from sparsevllm.engine.structured import GrammarCompiler
+from sparsevllm.engine.tensor_parallel import (
+    RankFailure,
+    Ranks,
+    init_rank,
+    leave_group,
+    replicated,
+    serve_rank,
+)
+from sparsevllm.layers.parallel import SINGLE, TensorParallel
 from sparsevllm.models.loader import load_model_source
 from sparsevllm.outputs import RequestOutput
 from sparsevllm.sampling import SamplingParams
@@ -40,13 +51,55 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Owns the scheduler, the KV pool and the runner; `step()` advances every request."""
+    """Owns the scheduler, the KV pool and the runner; `step()` advances every request.
 
-    def __init__(self, config: EngineConfig) -> None:
+    With `tensor_parallel_size` N > 1 this engine is rank 0 and drives N - 1 worker
+    processes, each running the same engine over its shard (engine/tensor_parallel.py);
+    `tp` is given only to those workers' engines."""
+
+    ranks: Ranks | None = None  # the driver's worker ranks (tensor parallelism)
+    _replaying = False
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
         device = resolve_device(config.device)  # e.g. cuda on a machine without: fail early
+        size = config.tensor_parallel_size
         if device.type == "cpu":  # before loading: the sample must not see our own work
-            apply_cpu_threads(config.cpu_threads)
+            apply_cpu_threads(config.cpu_threads, share=size)
+        if tp is None and size > 1:
+            # Settings each process would resolve for itself are resolved once, here:
+            # a worker's own guess (e.g. dtype auto after a test's patch) could differ.
+            dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
+            pinned = config.replace(dtype=dtype, device=device.type)
+            self.ranks = Ranks(pinned, size, device.type, _rank_main)
+            try:
+                tp = init_rank(0, size, self.ranks.port, device.type)
+            except Exception as e:
+                self._abandon_ranks(e)
+                raise
+        self.tp = tp or SINGLE
+        try:
+            self._build_runner(config)
+            self._build_host(config)
+        except Exception as e:
+            if self.ranks is not None:
+                self._abandon_ranks(e)
+            raise
+
+    def _abandon_ranks(self, error: Exception) -> None:
+        """This rank failed to start: stop the workers and leave the group; a worker's
+        failure, when one explains this one (a collective met it), is raised instead."""
+        assert self.ranks is not None
+        try:
+            self.ranks.check()
+        except RankFailure as failure:
+            leave_group()
+            raise failure from error
+        self.ranks.close()
+        leave_group()
+
+    def _build_runner(self, config: EngineConfig) -> None:
+        """The model, its KV storage and the methods (this rank's part of them)."""
         self.source = load_model_source(config.model, config.tokenizer, config.load_format)
         self.tokenizer = self.source.tokenizer
         self.eos_token_ids = self.source.eos_token_ids
@@ -58,7 +111,7 @@ class LLMEngine:
         policies = [resolve_prefill_policy(m, config.prefill_policy) for m in config.served_methods]
         widest = max(policies, key=lambda p: p == "long_bs1full_short_batch")
         self.capacity = CapacityPlan.derive(config, self.max_model_len, widest)
-        self.runner = ModelRunner(config, self.source, self.capacity)
+        self.runner = ModelRunner(config, self.source, self.capacity, self.tp)
         self.method = self.runner.method  # the configured method (requests may choose others)
         self.methods = self.runner.methods
         self.auto_budgets = AutoBudgets(
@@ -67,6 +120,9 @@ class LLMEngine:
             config.calibration_dir,
             self.max_model_len,
         )
+
+    def _build_host(self, config: EngineConfig) -> None:
+        """The KV pool, the prefix store, the scheduler and the step loop."""
         groups, window_groups = self.runner.pool_groups()
         seed = shuffle_seed(config.kv_slot_order, config.seed)
         self.pool = KVPool(
@@ -107,6 +163,13 @@ class LLMEngine:
             self.eos_token_ids,
             self.async_scheduling,
         )
+
+    def close(self) -> None:
+        """Stop the worker ranks of a tensor-parallel engine and leave its group (a
+        process runs one such engine at a time); the engine is unusable afterwards."""
+        if self.ranks is not None:
+            self.ranks.close()
+            leave_group()
 
     def _new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -207,6 +270,7 @@ class LLMEngine:
             return method.bounded_resident(prompt_len, max_tokens)
         return method.max_resident(prompt_len, max_tokens)
 
+    @replicated(before=False)
     def add_request(
         self,
         prompt: str | list[int],
@@ -249,6 +313,7 @@ class LLMEngine:
         seq = self._by_request.get(request_id)
         return (seq.chain_id, seq.chain_status) if seq else (None, None)
 
+    @replicated(before=False)
     def abort_request(self, request_id: str) -> bool:
         seq = self._by_request.get(request_id)
         if seq is None or seq.is_finished:
@@ -256,6 +321,7 @@ class LLMEngine:
         self.loop.abort(seq)
         return True
 
+    @replicated(before=True)
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """Next-token logits at every prompt position, `[len(prompt), vocab]`, float32.
 
@@ -286,6 +352,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step -----------------------------------------------------------------------
+    @replicated(before=True)
     def step(self, partial_outputs: bool = True) -> list[RequestOutput]:
         """Run one batch; return an output for every request that advanced or finished
         (finished ones only with `partial_outputs=False`: an offline caller that waits for
@@ -297,6 +364,7 @@ class LLMEngine:
         return outputs
 
     # -- cached history -----------------------------------------------------------------
+    @replicated(before=True)
     def prune(
         self,
         chain_id: str | None = None,
@@ -311,6 +379,7 @@ class LLMEngine:
         tokens = None if prompt is None else self.encode(prompt)[1]
         return prune_cache(self.store, chain_id, tokens, ranges, method, keep_ratio)
 
+    @replicated(before=True)
     def clone_cached(
         self, chain_id: str | None = None, prompt: list[int] | None = None, *, count: int
     ) -> list[CachedCopy]:
@@ -331,10 +400,12 @@ class LLMEngine:
         target = PruneTarget(chain_id, None if prompt is None else list(prompt))
         return self.store.clone(target, count, range(self.source.hf_config.vocab_size))
 
+    @replicated(before=True)
     def drain(self) -> None:
         """Wait for a step launched ahead (async_scheduling) whose rows all ended."""
         self.loop.drain()
 
+    @replicated(before=True)
     def persist_chains(self) -> int:
         """Write idle chains, or the radix cache's unlocked nodes, to the disk tier (if
         there is one), so that an engine started later reuses them; returns how many
@@ -342,6 +413,7 @@ class LLMEngine:
         return self.store.persist() if self.store is not None else 0
 
     # -- statistics ---------------------------------------------------------------------
+    @replicated(before=False)
     def reset_counters(self) -> None:
         """Zero the scheduler's counters and the pool's peak, so a benchmark can measure
         one phase of a long-lived engine."""
@@ -372,3 +444,19 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
+
+
+def _rank_main(config: EngineConfig, rank: int, port: int, conn: Connection) -> None:
+    """A worker rank's process: join the group, build this rank's engine, then replay the
+    driver's calls (engine/tensor_parallel.py)."""
+    try:
+        device = resolve_device(config.device)
+        tp = init_rank(rank, config.tensor_parallel_size, port, device.type)
+        engine = LLMEngine(config, tp)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+    try:
+        serve_rank(engine, conn)
+    finally:
+        leave_group()

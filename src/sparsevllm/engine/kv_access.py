@@ -19,6 +19,7 @@ from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.view_positions import ViewPositions
 from sparsevllm.kv.format import KVStorage
+from sparsevllm.layers.parallel import SINGLE, TensorParallel
 from sparsevllm.upload import upload
 
 
@@ -33,8 +34,10 @@ class RunnerKV:
         rows: SlotRows | None = None,
         rope: Callable[[int], torch.Tensor | None] | None = None,
         sealer: KVSealer | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.pool = pool
+        self.tp = tp  # ranks holding other heads of the same views
         self.sealer = sealer  # told of evictions (a format's residual tail moves)
         self._rope = rope  # the model's rope_frequencies (None: no RoPE known)
         self.tables = tables
@@ -104,12 +107,20 @@ class RunnerKV:
         if self.sealer is not None:
             self.sealer.on_keep(seq_id, group, view_len, positions)
 
+    def _same_for_all_heads(self, positions: torch.Tensor) -> bool:
+        """Whether every KV head keeps the same tokens, heads of other tensor-parallel
+        ranks included: every rank must take the same branch (they keep other slots)."""
+        first = positions[:1]  # [1, B]
+        if self.tp.active:
+            first = self.tp.broadcast(first.clone())  # rank 0's first head (a copy)
+        return self.tp.min_int(int(bool((positions == first).all()))) == 1
+
     def keep_per_head(self, seq_id: int, layer: int, positions: torch.Tensor) -> None:
         group = self.pool.group_of_layer[layer]
         if len(self.pool.layer_groups[group]) != 1:
             raise RuntimeError("per-head selection needs one pool group per layer")
         positions = positions.to(self.device)
-        if bool((positions == positions[:1]).all()):
+        if self._same_for_all_heads(positions):
             self.keep(seq_id, group, positions[0].tolist())  # same tokens for every head
             return
         table = self._view_tensor(seq_id, layer).long()  # [L]

@@ -119,8 +119,10 @@ class RunnerPruner:
         logical = upload(positions, torch.int32, device)
         logical = logical.expand(runner.num_kv_heads, -1)  # [Hkv, L]: shared by all heads
         scores = [
-            # keys [L, Hkv, D], dequantized
-            score_entries(method, runner.kv_storage[layer].read_keys(index), logical, cfg)
+            # keys [L, Hkv, D], dequantized; every rank's heads
+            runner.tp.all_gather(
+                score_entries(method, runner.kv_storage[layer].read_keys(index), logical, cfg)
+            )
             for layer in self.pool.layer_groups[0]
         ]
         keep = select_keep(combine(scores), logical[:1], spec.ranges, spec.keep_ratio)
@@ -144,14 +146,21 @@ class RunnerPruner:
     ) -> None:
         """One layer group of an idle chain: per KV head when the group is a single layer
         (its rows can be compacted per head), else the same tokens for all its layers."""
-        kv, cfg = self.runner.kv, self.config
+        kv, cfg, tp = self.runner.kv, self.config, self.runner.tp
         positions = kv.logical_positions(owner, group)  # [Hkv, L]
         length = positions.shape[1]
         if length == 0:
             return
-        scores = [score_entries(method, kv.keys(owner, layer), positions, cfg) for layer in layers]
+        # Selection spans the heads (standardised over them, the same count dropped by
+        # each), so tensor-parallel ranks decide over every rank's heads.
+        scores = [
+            tp.all_gather(score_entries(method, kv.keys(owner, layer), positions, cfg))
+            for layer in layers
+        ]
+        everyone = tp.all_gather(positions)  # [Hkv of all ranks, L]
         if len(layers) == 1:
-            keep = select_keep(scores[0], positions, ranges, keep_ratio)  # [Hkv, B]
+            keep = select_keep(scores[0], everyone, ranges, keep_ratio)  # [Hkv, B]
+            keep = keep.chunk(tp.size)[tp.rank]  # this rank's heads
         else:
             keep = select_keep(combine(scores), positions[:1], ranges, keep_ratio)  # [1, B]
         if keep.shape[1] == length:

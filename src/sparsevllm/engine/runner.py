@@ -30,8 +30,10 @@ from sparsevllm.engine.scoring_pass import ScoringPasses
 from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.step_plan import StepPlan
+from sparsevllm.engine.tensor_parallel import check_replicated_heads
 from sparsevllm.kv.format import KVStorage
 from sparsevllm.kv.registry import check_device
+from sparsevllm.layers.parallel import SINGLE, TensorParallel
 from sparsevllm.layers.sampler import SampledTokens, Sampler, SamplerOutput, make_generator
 from sparsevllm.models.loader import ModelSource, build_model
 from sparsevllm.models.registry import slot_layout_of
@@ -91,15 +93,22 @@ class ModelRunner:
     sealer: KVSealer
     graphs: DecodeGraphs | None = None
 
-    def __init__(self, config: EngineConfig, source: ModelSource, capacity: CapacityPlan) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        capacity: CapacityPlan,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         self.config = config
+        self.tp = tp
         self.capacity = capacity
         max_model_len = capacity.max_model_len
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         hf = self.hf_config = source.hf_config
-        model = build_model(source, max_model_len, self.dtype, self.device, config.seed)
+        model = build_model(source, max_model_len, self.dtype, self.device, config.seed, tp)
         # CPU: each decoder layer through one compiled function where that pays.
         compiled = with_cpu_compile(model, config.cpu_compile, self.device, self.dtype)
         self.model = cast(CausalLM, compiled)
@@ -127,6 +136,8 @@ class ModelRunner:
             self.slot_layout.name,
             model_identity(source.path, hf.to_dict()),
         )
+        specs = [choice.spec for choice in config.method_choices().values()]
+        check_replicated_heads(getattr(model, "head_shard", None), tp, specs)
         self.method = self.methods.default  # the engine's configured method
         # A method may bring its own storage format (DeltaKV's latent residuals).
         self.layout.kv_format = self.methods.storage_format(self.layout.kv_format)
@@ -137,7 +148,8 @@ class ModelRunner:
         scratch = self.methods.reserve_scoring_slots()  # scoring passes' temporary K/V
         self.layout.size_format(scratch)
         self.kv_format = self.layout.kv_format
-        self.num_slots = self.layout.num_slots(self.methods.state_bytes_per_slot, act, scratch)
+        own = self.layout.num_slots(self.methods.state_bytes_per_slot, act, scratch)
+        self.num_slots = tp.min_int(own)  # every rank's pool the same (free memory varies)
         self.kv_storage: list[KVStorage] = self.layout.create(self.num_slots, scratch)
         backend = backend_for(default_backend_name(self.device), self.slot_layout, self.kv_format)
         self.backend = backend(self.kv_storage, prefill_sparsity_of(config))
@@ -247,6 +259,7 @@ class ModelRunner:
             [self.generators.get(plan.seq_ids[i]) for i in plan.sample_rows],
             eos_token_ids=eos_token_ids,
             token_bitmask=grammar_bitmask(plan.grammars, self.device),
+            agree=self.tp.broadcast if self.tp.active else None,
         )
 
     @torch.inference_mode()
@@ -296,7 +309,7 @@ class ModelRunner:
             pool, self.kv_storage, cfg.kv_quant_group_size, cfg.kv_quant_residual
         )
         self.kv = RunnerKV(
-            pool, self.kv_storage, self.tables, rows, rope_of(self.model), self.sealer
+            pool, self.kv_storage, self.tables, rows, rope_of(self.model), self.sealer, self.tp
         )
         self.scoring = ScoringPasses(
             self.model,

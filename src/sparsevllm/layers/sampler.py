@@ -13,7 +13,7 @@ draw from the device's global RNG.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -116,8 +116,11 @@ class Sampler:
         *,
         eos_token_ids: Collection[int] = frozenset(),
         token_bitmask: TokenBitmask | None = None,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> SampledTokens:
-        """Sample on the device without waiting for the result (see SampledTokens)."""
+        """Sample on the device without waiting for the result (see SampledTokens).
+        `agree` makes the drawn tokens the same on every tensor-parallel rank (a broadcast
+        from rank 0: rows without a seed draw from each process's own global RNG)."""
         batch = logits.shape[0]
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -142,6 +145,8 @@ class Sampler:
             token_ids[rows] = _sample_rows(
                 logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
             )
+            if agree is not None:
+                agree(token_ids)
         return SampledTokens(token_ids, logits, params)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from sparsevllm.layers.cpu_linear import packing_applies
 from sparsevllm.layers.linear import fuse_projections, pack_linears
+from sparsevllm.layers.parallel import SINGLE, ModelSharder, Slicer, TensorParallel
 from sparsevllm.models.registry import model_class_for
 
 
@@ -178,12 +179,26 @@ def _no_weight_init() -> Iterator[None]:
 
 
 def build_model(
-    source: ModelSource, max_position: int, dtype: torch.dtype, device: torch.device, seed: int
+    source: ModelSource,
+    max_position: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
-    """Create the model on `device` in `dtype` and load (or randomly draw) its weights."""
+    """Create the model on `device` in `dtype` and load (or randomly draw) its weights;
+    under tensor parallelism, this rank's part of it (`layers/parallel.py`; the model's
+    `head_shard` then names the attention heads it holds)."""
     cls = model_class_for(source.hf_config)
+    slicers: dict[str, Slicer] = {}
     with _default_dtype(dtype), torch.device(device), _no_weight_init():
         model = cls(source.hf_config, max_position)
+        if tp.active:
+            # Built whole, then cut: the full model passes through memory once per rank.
+            sharder = ModelSharder(tp)
+            sharder.shard(model)
+            slicers = sharder.slicers
+            model.head_shard = sharder.heads
     # Fused before loading: the projections' parameters become views into the fused
     # tensors, so each weight is written once, in place, instead of loaded then copied.
     fuse_projections(model)
@@ -196,7 +211,7 @@ def build_model(
     else:
         state = _state_dict(source)
         remap = getattr(model, "remap_checkpoint", None)  # e.g. multimodal Gemma 3 names
-        load_weights(model, remap(state) if remap is not None else state)
+        load_weights(model, remap(state) if remap is not None else state, slicers)
     if packing_applies(device, dtype):
         pack_linears(model)
     return model.eval()
@@ -225,8 +240,12 @@ def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy HF-named tensors into the model, failing on missing or unexpected names."""
+def load_weights(
+    model: nn.Module, state: dict[str, torch.Tensor], slicers: dict[str, Slicer] | None = None
+) -> None:
+    """Copy HF-named tensors into the model, failing on missing or unexpected names;
+    `slicers` cut a tensor to this tensor-parallel rank's part first."""
+    slicers = slicers or {}
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
     unexpected = [k for k in state if k not in params and "rotary_emb" not in k]
@@ -236,6 +255,8 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, tensor in state.items():
             if name in params:
+                if name in slicers:
+                    tensor = slicers[name](tensor)
                 if params[name].shape != tensor.shape:
                     raise ValueError(
                         f"{name}: checkpoint shape {tuple(tensor.shape)} != "

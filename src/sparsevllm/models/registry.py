@@ -57,7 +57,8 @@ def model_class_for(config: Any) -> type[nn.Module]:
 
 def slot_layout_of(model: nn.Module, config: Any) -> SlotLayout:
     """What one token of one layer stores: the model's own `slot_layout()` (MLA's latent
-    row), else K and V per KV head of the config's attention."""
+    row), else K and V per KV head of the config's attention (this rank's heads under
+    tensor parallelism)."""
     own = getattr(model, "slot_layout", None)
     if own is not None:
         layout: SlotLayout = own()
@@ -65,4 +66,7 @@ def slot_layout_of(model: nn.Module, config: Any) -> SlotLayout:
     from sparsevllm.models.llama import head_dim_of
 
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    shard = getattr(model, "head_shard", None)  # a tensor-parallel rank's KV heads
+    if shard is not None:
+        heads = shard.num_local_kv
     return gqa_layout(heads, head_dim_of(config))

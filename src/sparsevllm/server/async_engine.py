@@ -198,6 +198,9 @@ class AsyncEngine:
                 time.sleep(_IDLE_WAIT_S)
         self._refuse_leftovers()
         persist_chains(self._engine)  # cached state goes to the disk tier, for the next server
+        close = getattr(self._engine, "close", None)  # stops tensor-parallel ranks (fakes lack it)
+        if close is not None:
+            close()
         logger.info("engine worker stopped")
 
     def _refuse_leftovers(self) -> None:

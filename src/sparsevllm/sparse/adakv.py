@@ -269,4 +269,8 @@ SPEC = MethodSpec(
     budget_fields=SHARED_BUDGET,
     budget_knob="decode_keep_tokens",
     chain_cache=True,
+    tensor_parallel_refusal=(
+        "it allocates one budget over every KV head of a layer (a top-k across heads), and "
+        "tensor-parallel ranks hold different heads (not yet gathered across ranks)"
+    ),
 )

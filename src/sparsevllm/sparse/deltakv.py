@@ -462,4 +462,8 @@ SPEC = MethodSpec(
         "mla_latent": "DeltaKV compresses per-head K and V (an MLA latent row is "
         "compressed already)"
     },
+    tensor_parallel_refusal=(
+        "its compressor maps every KV head of a token together (one latent per token), and "
+        "tensor-parallel ranks hold different heads"
+    ),
 )

@@ -169,4 +169,9 @@ SPEC = MethodSpec(
     budget_fields=("decode_keep_tokens",),
     budget_knob="decode_keep_tokens",
     prefix_cache=True,
+    tensor_parallel_refusal=(
+        "its filter layers pick one token set from the mean over every query head, on the "
+        "device inside the decode step, and tensor-parallel ranks hold different heads (not "
+        "yet gathered across ranks)"
+    ),
 )

@@ -96,4 +96,8 @@ SPEC = MethodSpec(
     budget_fields=("decode_keep_tokens",),
     budget_knob="decode_keep_tokens",
     chain_cache=True,
+    tensor_parallel_refusal=(
+        "it averages the attention of every query head and keeps one token set for all heads,"
+        " and tensor-parallel ranks hold different heads (not yet gathered across ranks)"
+    ),
 )

@@ -64,7 +64,10 @@ def kv_fingerprint(
 ) -> dict[str, object]:
     """What must match for saved KV to be reused bit-for-bit by this engine."""
     method = runner.method
+    # A tensor-parallel rank saves its own heads' shard, in a directory of its own.
+    shard = {"tensor_parallel": [runner.tp.rank, runner.tp.size]} if runner.tp.active else {}
     return {
+        **shard,
         "format": FORMAT_VERSION,
         "model": _model_identity(source.path),
         "load_format": source.load_format,
