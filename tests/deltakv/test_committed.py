@@ -16,6 +16,7 @@ from sparsevllm.models.loader import load_model_source
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "deltakv"
 SMOL = DOCS / "smollm2" / "compressor.safetensors"
 GEMMA = DOCS / "gemma3" / "compressor.safetensors"
+GEMMA_R256 = DOCS / "gemma3_r256" / "compressor.safetensors"  # latent kv_dim / 2
 
 
 def _identity(path: str):
@@ -41,7 +42,7 @@ def gemma_path() -> str:
 
 
 def test_the_committed_files_are_small_and_describe_themselves():
-    for path, layers, latent in ((SMOL, 30, 96), (GEMMA, 3, 128)):
+    for path, layers, latent in ((SMOL, 30, 96), (GEMMA, 3, 128), (GEMMA_R256, 3, 256)):
         assert path.stat().st_size < 5 * 2**20
         info = read_info(path)
         assert len(info.spec.layers) == layers and set(info.spec.latent_dims) == {latent}
@@ -58,6 +59,7 @@ def test_each_loads_for_its_model_only(smol_path, gemma_path):
     smol, gemma = _identity(smol_path), _identity(gemma_path)
     load_compressor(SMOL, smol)
     load_compressor(GEMMA, gemma)
+    load_compressor(GEMMA_R256, gemma)
     with pytest.raises(CompressorMismatch, match=gemma.fingerprint or "?"):
         load_compressor(SMOL, gemma)
 

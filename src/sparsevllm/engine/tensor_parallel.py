@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from sparsevllm.config import EngineConfig
 from sparsevllm.layers.parallel import HeadShard, TensorParallel
 from sparsevllm.sparse.spec import MethodSpec
 
@@ -45,7 +46,7 @@ class RankFailure(RuntimeError):
     """A tensor-parallel rank died or failed; the engine cannot go on."""
 
 
-RankMain = Callable[[Any, int, int, Connection], None]
+RankMain = Callable[[EngineConfig, int, int, Connection], None]
 
 
 def init_rank(rank: int, size: int, port: int, device_type: str) -> TensorParallel:
@@ -100,7 +101,7 @@ def free_port() -> int:
 class Ranks:
     """The driver's handle on its worker ranks: starts them, forwards calls, watches."""
 
-    def __init__(self, config: Any, size: int, device_type: str, main: RankMain) -> None:
+    def __init__(self, config: EngineConfig, size: int, device_type: str, main: RankMain) -> None:
         if device_type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(
                 f"tensor_parallel_size {size} needs {size} GPUs; this machine shows "
@@ -138,7 +139,7 @@ class Ranks:
                 self.close()
                 raise self.failure
 
-    def send(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def send(self, name: str, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         self.check()
         for conn in self.conns:
             try:
@@ -228,7 +229,7 @@ def replicated(before: bool) -> Callable[[F], F]:
     return wrap
 
 
-def serve_rank(engine: Any, conn: Connection) -> None:
+def serve_rank(engine: object, conn: Connection) -> None:
     """A worker's loop: run the driver's calls on `engine` until told to exit. An error in
     a call that meets in collectives ends the worker (reported to the driver); a host-only
     call failed on the driver first, so it cannot fail here."""
