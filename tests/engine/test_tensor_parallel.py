@@ -29,6 +29,7 @@ KNOBS: dict[str, dict[str, Any]] = {
     "vanilla": {},
     "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": 20},
     "quest": {"decode_keep_tokens": 16, "quest_chunk_size": 4},
+    "tova": {"decode_keep_tokens": 24},
 }
 # Quest keeps one slot table for all layers: it cannot share an engine with the methods
 # that evict per layer.
@@ -166,8 +167,8 @@ def test_sampled_tokens_agree_over_ranks(tiny_model_factory):
 
 def test_methods_that_mix_heads_are_refused_by_name():
     refused = {s.name for s in all_specs() if s.tensor_parallel_refusal is not None}
-    assert refused == {"tova", "omnikv", "adakv", "duoattention", "deltakv"}
-    for name in ("tova", "omnikv", "adakv"):  # the others need files to be configured
+    assert refused == {"omnikv", "adakv", "duoattention", "deltakv"}
+    for name in ("omnikv", "adakv"):  # the others need files to be configured
         with pytest.raises(ValueError, match=f"sparse_method '{name}' cannot run with"):
             EngineConfig(sparse_method=name, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="names one GPU"):

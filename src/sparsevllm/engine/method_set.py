@@ -29,6 +29,7 @@ from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.method_layout import check_layout, common_layout, method_kv
 from sparsevllm.kv.format import KVFormat
 from sparsevllm.kv.layout import GQA
+from sparsevllm.layers.parallel import SINGLE, TensorParallel
 from sparsevllm.sparse.base import KVAccess, RowScores, ScoringInput, SeqStep, SparseMethod
 from sparsevllm.sparse.choice import MethodChoice, choice_from_key, resolve_choice
 from sparsevllm.sparse.registry import create_method
@@ -53,7 +54,9 @@ class MethodSet:
         layers: list[int] | None,
         slot_layout: str = GQA,
         model: ModelIdentity | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        self.tp = tp  # ranks holding the model's other heads
         self.choices = choices  # each served method with the engine's settings
         self.default_method = default_method
         self._shape = (num_layers, num_kv_heads, layers)
@@ -347,9 +350,14 @@ class StepMethods:
             method.begin_step(batch)
 
     def after_step(self, steps: list[SeqStep], scores: RowScores) -> None:
+        every_head: RowScores | None = None
         for method in self.distinct:
             own = [st for m, st in zip(self.rows, steps) if m is method]
-            method.after_step(own, scores, self.set.kv_for(method))
+            seen = scores
+            if method.scores_all_heads and self.set.tp.active:
+                every_head = every_head or gather_heads(scores, self.set.tp)
+                seen = every_head
+            method.after_step(own, seen, self.set.kv_for(method))
 
     def graph_ok(self, score_rows: list[int]) -> bool:
         """Whether a captured decode graph can serve the rows: graph-computed views (they
@@ -402,3 +410,12 @@ def merged_views(methods: list[tuple[SparseMethod, int]], ids_t: torch.Tensor) -
         return subset, lens_out
 
     return select
+
+
+def gather_heads(scores: RowScores, tp: TensorParallel) -> RowScores:
+    """Every rank's `[heads, L]` rows joined along the heads, in rank (= head) order: the
+    scores one rank would hold. Every rank holds the same rows, so the calls pair up."""
+    return {
+        layer: [None if t is None else tp.all_gather(t, dim=0) for t in rows]
+        for layer, rows in scores.items()
+    }

@@ -135,6 +135,7 @@ class ModelRunner:
             self.layout.managed_layers,
             self.slot_layout.name,
             model_identity(source.path, hf.to_dict()),
+            tp,
         )
         specs = [choice.spec for choice in config.method_choices().values()]
         check_replicated_heads(getattr(model, "head_shard", None), tp, specs)

@@ -221,6 +221,11 @@ class SparseMethod:
     # (`SeqStep.bounded`), so that its peak residency is `bounded_resident`, not the
     # prompt's length (MethodSpec.bounded_prefill reads it; config validation asks it).
     bounded_prefill: ClassVar[bool] = False
+    # Whether after_step's scores must hold every query head of the model: a method
+    # whose selection combines heads (TOVA's head average). Under tensor parallelism the
+    # engine then gathers the ranks' heads, in the model's head order, before calling it;
+    # otherwise each rank's scores hold its own heads only.
+    scores_all_heads: ClassVar[bool] = False
 
     knobs: MethodKnobs  # the method's own knobs dataclass (validated with the config)
 

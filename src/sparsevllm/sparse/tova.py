@@ -34,6 +34,7 @@ class TOVAKnobs(MethodKnobs):
 class TOVA(SparseMethod):
     # True whatever the knob: the engine asks the class (a step is never scheduled ahead).
     evicts_during_decode = True
+    scores_all_heads = True  # the head average spans every query head
     name = "tova"
     per_layer_groups = True
     knobs: TOVAKnobs
@@ -96,8 +97,4 @@ SPEC = MethodSpec(
     budget_fields=("decode_keep_tokens",),
     budget_knob="decode_keep_tokens",
     chain_cache=True,
-    tensor_parallel_refusal=(
-        "it averages the attention of every query head and keeps one token set for all heads,"
-        " and tensor-parallel ranks hold different heads (not yet gathered across ranks)"
-    ),
 )
