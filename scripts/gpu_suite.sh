@@ -4,7 +4,7 @@
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
 #          gguf-part | quality | quality-rerun | quality-modes | quality-formats | formats-kernels | formats-throughput |
 #          capacity-methods | formats-capacity | million | mla | deltakv-throughput |
-#          deltakv-quality
+#          deltakv-quality | tp
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # /tmp/site: carried wheels (llguidance)
@@ -96,6 +96,20 @@ run_part() {
       quality_modes ;;
     quality-formats)
       quality_formats ;;
+    tp)
+      # Issue 21 item 2 (needs 2 GPUs; not yet run): Llama-3-8B shapes, dense and SnapKV
+      # (2,048) at TP=1 and TP=2: decode tok/s and the per-GPU roofline from the JSON (the
+      # all-reduce share of a step needs a profile, not part of this run).
+      for m in vanilla snapkv; do
+        for tp in 1 2; do
+          timeout ${TP_RUN_S:-240} $M --prompt-len 8192 --output-len 64 --batch-size ${TP_BATCH:-16} \
+             --max-model-len 8448 --sparse-method $m --decode-keep-tokens 2048 \
+             --tensor-parallel-size $tp --json "$OUT/tp${tp}_llama3_8b_${m}_8k.json" \
+             > "$OUT/tp${tp}_$m.log" 2>&1 || { echo "failed: $m tp $tp"; tail -5 "$OUT/tp${tp}_$m.log"; }
+          grep -hE '"(decode_tokens_per_s|time_per_output_token_s|roofline_fraction)"' \
+             "$OUT/tp${tp}_llama3_8b_${m}_8k.json"
+        done
+      done ;;
     deltakv-quality)
       quality_deltakv ;;
     quality-rerun)
