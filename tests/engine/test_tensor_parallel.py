@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from engine_helpers import run_request
+from engine_helpers import EVERY_LAYER_SPARSE, run_request
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.tensor_parallel import RankFailure
@@ -32,8 +32,8 @@ KNOBS: dict[str, dict[str, Any]] = {
     "tova": {"decode_keep_tokens": 24},
 }
 # Quest keeps one slot table for all layers: it cannot share an engine with the methods
-# that evict per layer.
-OWN_ENGINE = ("quest",)
+# that evict per layer. DuoAttention needs head scores of the 4-layer model.
+OWN_ENGINE = ("quest", "duoattention")
 RANKED = [s.name for s in all_specs() if s.tensor_parallel_refusal is None]
 PER_LAYER = [m for m in RANKED if m not in OWN_ENGINE]
 ENGINE = dict(device="cpu", dtype="float32", chunk_prefill_size=7, max_num_seqs=4)
@@ -51,9 +51,10 @@ def params(method: str) -> SamplingParams:
 
 
 def generate_both(model: str, methods: list[str], **engine: Any) -> dict[int, list[list[int]]]:
-    """Every method's request through one TP=1 and one TP=2 engine serving them all."""
-    requests = prompts(len(methods))
-    choices = [params(m) for m in methods]
+    """Every method's request through one TP=1 and one TP=2 engine serving them all (a
+    single method: four requests with the engine's settings)."""
+    requests = prompts(len(methods) if len(methods) > 1 else 4)
+    choices = [params(m) for m in methods] if len(methods) > 1 else GREEDY
     tokens = {}
     for tp in (1, 2):
         config = dict(ENGINE, sparse_method=methods[0], sparse_methods=methods[1:], **engine)
@@ -71,8 +72,12 @@ def test_every_method_keeps_tp1s_tokens(tiny_model_factory, pool):
     tokens = generate_both(model, PER_LAYER, num_kv_slots=pool)
     for method, one, two in zip(PER_LAYER, tokens[1], tokens[2]):
         assert one == two, method
-    quest = generate_both(tiny_model_factory("llama4"), ["vanilla", *OWN_ENGINE])
+    llama4 = tiny_model_factory("llama4")
+    quest = generate_both(llama4, ["vanilla", "quest"])
     assert quest[1] == quest[2]
+    duo = dict(EVERY_LAYER_SPARSE["duoattention"], sink_keep_tokens=4, recent_keep_tokens=8)
+    streaming = generate_both(llama4, ["duoattention"], **duo)
+    assert streaming[1] == streaming[2]
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3", "mixtral"])
@@ -125,11 +130,13 @@ def test_chains_continue_and_restore_from_the_tiers(tiny_model_factory, tmp_path
     assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
 
 
-def test_pruned_chain_continues_as_on_one_rank(tiny_model_factory):
+@pytest.mark.parametrize("method", ["snapkv", "adakv"])
+def test_pruned_chain_continues_as_on_one_rank(tiny_model_factory, method):
+    """AdaKV's state spans the model's heads: pruning hands it every rank's keep."""
     model = tiny_model_factory("llama4")
     outs = {}
     for tp in (1, 2):
-        with LLM(model, tensor_parallel_size=tp, **SNAPKV) as llm:
+        with LLM(model, tensor_parallel_size=tp, **dict(SNAPKV, sparse_method=method)) as llm:
             first = run_request(llm.engine, FIRST, GREEDY, "keep")[0]
             pruned = llm.prune("keep", ranges=[(10, 90)], method="knorm", keep_ratio=0.3)
             second = run_request(llm.engine, FIRST + first.token_ids + NEW, GREEDY, "keep")[0]
@@ -167,8 +174,8 @@ def test_sampled_tokens_agree_over_ranks(tiny_model_factory):
 
 def test_methods_that_mix_heads_are_refused_by_name():
     refused = {s.name for s in all_specs() if s.tensor_parallel_refusal is not None}
-    assert refused == {"omnikv", "adakv", "duoattention", "deltakv"}
-    for name in ("omnikv", "adakv"):  # the others need files to be configured
+    assert refused == {"omnikv", "deltakv"}
+    for name in ("omnikv",):  # the others need files to be configured
         with pytest.raises(ValueError, match=f"sparse_method '{name}' cannot run with"):
             EngineConfig(sparse_method=name, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="names one GPU"):

@@ -19,7 +19,7 @@ from sparsevllm.engine.slot_rows import SlotRows
 from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.view_positions import ViewPositions
 from sparsevllm.kv.format import KVStorage
-from sparsevllm.layers.parallel import SINGLE, TensorParallel
+from sparsevllm.layers.parallel import SINGLE, HeadShard, TensorParallel
 from sparsevllm.upload import upload
 
 
@@ -35,9 +35,11 @@ class RunnerKV:
         rope: Callable[[int], torch.Tensor | None] | None = None,
         sealer: KVSealer | None = None,
         tp: TensorParallel = SINGLE,
+        heads: HeadShard | None = None,
     ) -> None:
         self.pool = pool
         self.tp = tp  # ranks holding other heads of the same views
+        self.heads = heads  # this rank's heads of the model (None: all of them)
         self.sealer = sealer  # told of evictions (a format's residual tail moves)
         self._rope = rope  # the model's rope_frequencies (None: no RoPE known)
         self.tables = tables
@@ -120,6 +122,9 @@ class RunnerKV:
         if len(self.pool.layer_groups[group]) != 1:
             raise RuntimeError("per-head selection needs one pool group per layer")
         positions = positions.to(self.device)
+        if positions.shape[0] != self.num_kv_heads and self.heads is not None:
+            # A method over the model's heads (SparseMethod.model_heads): this rank's rows.
+            positions = positions[self.heads.kv[0] : self.heads.kv[1]]
         if self._same_for_all_heads(positions):
             self.keep(seq_id, group, positions[0].tolist())  # same tokens for every head
             return

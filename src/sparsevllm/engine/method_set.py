@@ -29,7 +29,7 @@ from sparsevllm.engine.kv_access import RunnerKV
 from sparsevllm.engine.method_layout import check_layout, common_layout, method_kv
 from sparsevllm.kv.format import KVFormat
 from sparsevllm.kv.layout import GQA
-from sparsevllm.layers.parallel import SINGLE, TensorParallel
+from sparsevllm.layers.parallel import SINGLE, HeadShard, TensorParallel
 from sparsevllm.sparse.base import KVAccess, RowScores, ScoringInput, SeqStep, SparseMethod
 from sparsevllm.sparse.choice import MethodChoice, choice_from_key, resolve_choice
 from sparsevllm.sparse.registry import create_method
@@ -55,8 +55,10 @@ class MethodSet:
         slot_layout: str = GQA,
         model: ModelIdentity | None = None,
         tp: TensorParallel = SINGLE,
+        heads: HeadShard | None = None,
     ) -> None:
         self.tp = tp  # ranks holding the model's other heads
+        self.heads = heads  # this rank's heads of the model (None: all of them)
         self.choices = choices  # each served method with the engine's settings
         self.default_method = default_method
         self._shape = (num_layers, num_kv_heads, layers)
@@ -105,6 +107,8 @@ class MethodSet:
         if found is not None:
             return found
         num_layers, num_kv_heads, layers = self._shape
+        if self.heads is not None and choice.spec.method.model_heads:
+            num_kv_heads = self.heads.num_kv_heads  # the model's, on every rank
         method = create_method(choice, num_layers, num_kv_heads, layers, self._slot_layout)
         if self._model is not None:
             method.bind_model(self._model)
@@ -236,8 +240,14 @@ class MethodSet:
         if not viewing:
             return None
         if not self.mixed:
-            return viewing[0].select_views
-        return merged_views([(m, self.method_id(m)) for m in viewing], ids_t)
+            return self.views_of(viewing[0])
+        return merged_views([(self.views_of(m), self.method_id(m)) for m in viewing], ids_t)
+
+    def views_of(self, method: SparseMethod) -> SelectViews:
+        """`method.select_views`, cut to this rank's heads when it answers for the model's."""
+        if self.heads is None or not method.model_heads:
+            return method.select_views
+        return own_head_views(method.select_views, self.heads)
 
     def graph_scores(self) -> tuple[int, frozenset[int] | None]:
         """(score rows, score layers) a captured graph computes for its decode rows: what
@@ -339,11 +349,11 @@ class StepMethods:
         if not self.mixed:
             # A method without decode views reads whole views: no selection to ask for.
             only = self.only
-            return None if only.decode_views is DecodeViews.NONE else only.select_views
+            return None if only.decode_views is DecodeViews.NONE else self.set.views_of(only)
         viewing = [m for m in self.distinct if m.decode_views is not DecodeViews.NONE]
         if not viewing:
             return None
-        return merged_views([(m, self.set.method_id(m)) for m in viewing], ids_t)
+        return merged_views([(self.set.views_of(m), self.set.method_id(m)) for m in viewing], ids_t)
 
     def begin_step(self, batch: ForwardBatch) -> None:
         for method in self.distinct:
@@ -354,7 +364,7 @@ class StepMethods:
         for method in self.distinct:
             own = [st for m, st in zip(self.rows, steps) if m is method]
             seen = scores
-            if method.scores_all_heads and self.set.tp.active:
+            if method.model_heads and self.set.tp.active:
                 every_head = every_head or gather_heads(scores, self.set.tp)
                 seen = every_head
             method.after_step(own, seen, self.set.kv_for(method))
@@ -379,7 +389,7 @@ def check_format(name: str, method: SparseMethod, base: KVFormat, fmt: KVFormat)
         )
 
 
-def merged_views(methods: list[tuple[SparseMethod, int]], ids_t: torch.Tensor) -> SelectViews:
+def merged_views(methods: list[tuple[SelectViews, int]], ids_t: torch.Tensor) -> SelectViews:
     """One `select_views` for a batch of several methods: each method's answer for its
     own rows (`ids_t == id`), whole views (lens -1) for rows of methods without views.
     Sync-free (a captured decode graph runs it with its static ids buffer)."""
@@ -388,8 +398,8 @@ def merged_views(methods: list[tuple[SparseMethod, int]], ids_t: torch.Tensor) -
         layer: int, q: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         parts = []
-        for method, mid in methods:
-            picked = method.select_views(layer, q, batch)
+        for select_views, mid in methods:
+            picked = select_views(layer, q, batch)
             if picked is not None:
                 parts.append((ids_t == mid, picked))
         if not parts:
@@ -419,3 +429,19 @@ def gather_heads(scores: RowScores, tp: TensorParallel) -> RowScores:
         layer: [None if t is None else tp.all_gather(t, dim=0) for t in rows]
         for layer, rows in scores.items()
     }
+
+
+def own_head_views(select: SelectViews, heads: HeadShard) -> SelectViews:
+    """A `select_views` over the model's KV heads, cut to this rank's (graph-safe)."""
+    h0, h1 = heads.kv
+
+    def cut(
+        layer: int, q: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        picked = select(layer, q, batch)
+        if picked is None:
+            return None
+        subset, lens = picked  # [S, Hkv of the model, W], [S] or [S, Hkv of the model]
+        return subset[:, h0:h1], lens[:, h0:h1] if lens.dim() == 2 else lens
+
+    return cut

@@ -159,16 +159,18 @@ class RunnerPruner:
         ]
         everyone = tp.all_gather(positions)  # [Hkv of all ranks, L]
         if len(layers) == 1:
-            keep = select_keep(scores[0], everyone, ranges, keep_ratio)  # [Hkv, B]
-            keep = keep.chunk(tp.size)[tp.rank]  # this rank's heads
+            keep = select_keep(scores[0], everyone, ranges, keep_ratio)  # [model's Hkv, B]
         else:
             keep = select_keep(combine(scores), positions[:1], ranges, keep_ratio)  # [1, B]
         if keep.shape[1] == length:
             return  # nothing to drop (keep_ratio 1, or the ranges hold no resident token)
+        holder = self.runner.methods.of(owner)
         if len(layers) == 1:
-            kv.keep_per_head(owner, layers[0], keep)
+            kv.keep_per_head(owner, layers[0], keep)  # cut to this rank's heads there
+            if not holder.model_heads:  # the method sees this rank's heads
+                keep = keep.chunk(tp.size)[tp.rank]
         else:
             kv.keep(owner, group, keep[0].tolist())
-            keep = keep.expand(kv.num_kv_heads, -1)
+            keep = keep.expand(holder.num_kv_heads, -1)
         for layer in layers:
-            self.runner.methods.of(owner).on_compressed(owner, layer, keep)
+            holder.on_compressed(owner, layer, keep)

@@ -136,6 +136,7 @@ class ModelRunner:
             self.slot_layout.name,
             model_identity(source.path, hf.to_dict()),
             tp,
+            getattr(model, "head_shard", None),
         )
         specs = [choice.spec for choice in config.method_choices().values()]
         check_replicated_heads(getattr(model, "head_shard", None), tp, specs)
@@ -310,7 +311,14 @@ class ModelRunner:
             pool, self.kv_storage, cfg.kv_quant_group_size, cfg.kv_quant_residual
         )
         self.kv = RunnerKV(
-            pool, self.kv_storage, self.tables, rows, rope_of(self.model), self.sealer, self.tp
+            pool,
+            self.kv_storage,
+            self.tables,
+            rows,
+            rope_of(self.model),
+            self.sealer,
+            self.tp,
+            self.methods.heads,
         )
         self.scoring = ScoringPasses(
             self.model,

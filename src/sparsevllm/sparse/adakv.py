@@ -82,6 +82,7 @@ class AdaKV(SnapKV):
     name = "adakv"
     knobs: AdaKVKnobs
     decode_views = DecodeViews.EAGER
+    model_heads = True  # one budget over every KV head of a layer
     # Its cut keeps per-head counts that decode reads through select_views; cutting
     # between chunks is not defined for it (yet).
     bounded_prefill = False
@@ -269,8 +270,4 @@ SPEC = MethodSpec(
     budget_fields=SHARED_BUDGET,
     budget_knob="decode_keep_tokens",
     chain_cache=True,
-    tensor_parallel_refusal=(
-        "it allocates one budget over every KV head of a layer (a top-k across heads), and "
-        "tensor-parallel ranks hold different heads (not yet gathered across ranks)"
-    ),
 )

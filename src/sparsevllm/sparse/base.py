@@ -221,11 +221,13 @@ class SparseMethod:
     # (`SeqStep.bounded`), so that its peak residency is `bounded_resident`, not the
     # prompt's length (MethodSpec.bounded_prefill reads it; config validation asks it).
     bounded_prefill: ClassVar[bool] = False
-    # Whether after_step's scores must hold every query head of the model: a method
-    # whose selection combines heads (TOVA's head average). Under tensor parallelism the
-    # engine then gathers the ranks' heads, in the model's head order, before calling it;
-    # otherwise each rank's scores hold its own heads only.
-    scores_all_heads: ClassVar[bool] = False
+    # Whether the method's selection combines the model's KV heads (TOVA's head average,
+    # AdaKV's budget over heads, DuoAttention's classification of every head). Under
+    # tensor parallelism such a method is built with the model's KV head count on every
+    # rank, after_step's scores hold every rank's query heads (gathered in head order),
+    # and the engine cuts its per-head keeps and decode views to the rank's own heads;
+    # otherwise a rank's method sees its own heads only.
+    model_heads: ClassVar[bool] = False
 
     knobs: MethodKnobs  # the method's own knobs dataclass (validated with the config)
 

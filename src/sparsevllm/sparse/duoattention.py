@@ -95,6 +95,7 @@ class DuoAttention(SparseMethod):
     name = "duoattention"
     knobs: DuoAttentionKnobs
     per_layer_groups = True
+    model_heads = True  # heads are ranked against every (layer, head) of the model
     decode_views = DecodeViews.EAGER
     evicts_during_decode = True
 
@@ -269,8 +270,4 @@ SPEC = MethodSpec(
         MLA_LATENT: "its head scores are per KV head of a per-head K/V layout, and a latent "
         "row serves every query head (no calibration for latent KV)"
     },
-    tensor_parallel_refusal=(
-        "it ranks every (layer, head) pair together and cuts a layer only when all its heads "
-        "stream, and tensor-parallel ranks hold different heads (not yet supported)"
-    ),
 )

@@ -34,7 +34,7 @@ class TOVAKnobs(MethodKnobs):
 class TOVA(SparseMethod):
     # True whatever the knob: the engine asks the class (a step is never scheduled ahead).
     evicts_during_decode = True
-    scores_all_heads = True  # the head average spans every query head
+    model_heads = True  # the head average spans every query head
     name = "tova"
     per_layer_groups = True
     knobs: TOVAKnobs
