@@ -10,6 +10,7 @@ from typing import Any
 from sparsevllm.config import EngineConfig
 from sparsevllm.engine.cache.store import PruneResult
 from sparsevllm.engine.engine import LLMEngine
+from sparsevllm.engine.tensor_parallel import RankFailure
 from sparsevllm.outputs import RequestOutput, merge_samples
 from sparsevllm.progress import GenerateProgress
 from sparsevllm.sampling import SamplingParams
@@ -136,6 +137,8 @@ class LLM:
         try:
             self.engine.drain()
             self.engine.persist_chains()
+        except RankFailure:
+            pass  # a failed tensor-parallel engine: the other ranks' shards are gone
         finally:
             self.engine.runner.free_device_memory(weights=True)
             self.engine.close()

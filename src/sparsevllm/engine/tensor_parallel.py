@@ -209,6 +209,8 @@ def replicated(before: bool) -> Callable[[F], F]:
                 return method(self, *args, **kwargs)
             if before:
                 ranks.send(name, args, kwargs)
+            else:
+                ranks.check()  # a failed engine takes nothing more, not even here
             self._replaying = True
             try:
                 result = method(self, *args, **kwargs)
