@@ -37,10 +37,12 @@ def make_checkpoint(
     references: int = 4,
     seed: int = 0,
     layers: tuple[int, ...] | None = None,
+    hidden: int = 0,
 ) -> str:
-    """A random linear compressor for the tiny model at `model_dir` (its up map scaled
-    down so reconstructions stay near the references' mean, like a trained one) of
-    `layers` (default: all of them; a model with sliding-window layers names its others)."""
+    """A random compressor for the tiny model at `model_dir` (linear maps, or GELU MLPs of
+    `hidden` units; the up map's last linear scaled down so reconstructions stay near
+    the references' mean, like a trained one) of `layers` (default: all of them; a
+    model with sliding-window layers names its others)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -54,12 +56,14 @@ def make_checkpoint(
         sink_tokens=sink,
         center_stride=stride,
         num_references=references,
+        hidden_dim=hidden,
     )
     torch.manual_seed(seed)
     compressor = DeltaKVCompressor(spec)
     with torch.no_grad():
         for layer in layers:
-            compressor.codec(layer).up_proj.weight.mul_(0.5)
+            up = compressor.codec(layer).up_proj
+            (up if hidden == 0 else up.fc_out).weight.mul_(0.5)
     save_compressor(path, compressor, model_identity(model_dir, cfg.to_dict()))
     return str(path)
 

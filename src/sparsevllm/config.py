@@ -261,15 +261,6 @@ class EngineConfig:
                 "cpu_compile on compiles whole decoder layers, which tensor parallelism "
                 "splits with collectives between ranks: use cpu_compile off or auto"
             )
-        for name in self.served_methods:
-            reason = method_spec(name).tensor_parallel_refusal
-            if reason is not None:
-                usable = [s.name for s in all_specs() if s.tensor_parallel_refusal is None]
-                raise ValueError(
-                    f"sparse_method {name!r} cannot run with tensor_parallel_size "
-                    f"{self.tensor_parallel_size}: {reason} (methods that can: "
-                    f"{', '.join(usable)})"
-                )
 
     def _validate_prefill_sparse(self) -> None:
         _check_choice("prefill_sparse_method", self.prefill_sparse_method, PREFILL_SPARSE_METHODS)

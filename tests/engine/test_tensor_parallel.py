@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from deltakv_serving import make_checkpoint
 from engine_helpers import EVERY_LAYER_SPARSE, run_request
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.config import EngineConfig
@@ -30,12 +31,15 @@ KNOBS: dict[str, dict[str, Any]] = {
     "streamingllm": {"sink_keep_tokens": 4, "recent_keep_tokens": 20},
     "quest": {"decode_keep_tokens": 16, "quest_chunk_size": 4},
     "tova": {"decode_keep_tokens": 24},
+    # Layer 0 attends fully and picks for the layers after it (the mean over every
+    # rank's heads).
+    "omnikv": {"decode_keep_tokens": 16},
 }
 # Quest keeps one slot table for all layers: it cannot share an engine with the methods
 # that evict per layer. DuoAttention needs head scores of the 4-layer model.
 OWN_ENGINE = ("quest", "duoattention")
-RANKED = [s.name for s in all_specs() if s.tensor_parallel_refusal is None]
-PER_LAYER = [m for m in RANKED if m not in OWN_ENGINE]
+# DeltaKV needs a checkpoint: its own test below.
+PER_LAYER = [s.name for s in all_specs() if s.name not in (*OWN_ENGINE, "deltakv")]
 ENGINE = dict(device="cpu", dtype="float32", chunk_prefill_size=7, max_num_seqs=4)
 
 
@@ -172,21 +176,42 @@ def test_sampled_tokens_agree_over_ranks(tiny_model_factory):
         )
 
 
-def test_methods_that_mix_heads_are_refused_by_name():
-    refused = {s.name for s in all_specs() if s.tensor_parallel_refusal is not None}
-    assert refused == {"omnikv", "deltakv"}
-    for name in ("omnikv",):  # the others need files to be configured
-        with pytest.raises(ValueError, match=f"sparse_method '{name}' cannot run with"):
-            EngineConfig(sparse_method=name, tensor_parallel_size=2)
+@pytest.mark.parametrize("hidden,topk", [(0, 0), (8, 6)], ids=["linear-all", "mlp-topk"])
+def test_deltakv_compresses_over_ranks_as_on_one(tiny_model_factory, tmp_path, hidden, topk):
+    """One latent per token from every rank's heads (the down map's partial products and
+    the center distances summed over ranks), each rank reconstructing its own heads;
+    with preemption, a top-k of compressed tokens scored over every head, and a chain
+    continued in a second turn from the radix cache."""
+    model = tiny_model_factory("llama4")
+    ckpt = make_checkpoint(model, tmp_path / "dk.safetensors", hidden=hidden)
+    knobs = dict(
+        deltakv_checkpoint=ckpt, deltakv_topk=topk, sink_keep_tokens=4, recent_keep_tokens=8
+    )
+    tokens = generate_both(model, ["deltakv"], num_kv_slots=160, **knobs)
+    assert tokens[1] == tokens[2]
+    turns = {}
+    for tp in (1, 2):
+        config = dict(ENGINE, sparse_method="deltakv", **knobs)
+        with LLM(model, tensor_parallel_size=tp, **config) as llm:
+            first, second = two_turns(llm)
+            assert second.num_cached_tokens > len(FIRST)
+            turns[tp] = (first.token_ids, second.token_ids)
+    assert turns[1] == turns[2]
+
+
+def test_bad_tensor_parallel_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="names one GPU"):
         EngineConfig(device="cuda:1", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be"):
         EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="cpu_compile on compiles whole decoder layers"):
+        EngineConfig(cpu_compile="on", tensor_parallel_size=2)
 
 
-def test_more_ranks_than_kv_heads(tiny_model_factory):
+def test_more_ranks_than_kv_heads(tiny_model_factory, tmp_path):
     """Four ranks over two KV heads replicate each KV head on two ranks: dense serving
-    works, a method that scores whole query groups is refused."""
+    works, a method that scores whole query groups is refused, and so is DeltaKV (a
+    replicated head would count twice in the ranks' sums)."""
     model = tiny_model_factory("llama")
     with LLM(model, tensor_parallel_size=4, **ENGINE) as llm:
         four = llm.generate(prompts(2), GREEDY, use_tqdm=False)
@@ -196,6 +221,10 @@ def test_more_ranks_than_kv_heads(tiny_model_factory):
     # The driver's own error, or a worker's with the same words (whichever shows first).
     with pytest.raises((ValueError, RankFailure), match="exceeds the model's 2 KV heads"):
         LLM(model, tensor_parallel_size=4, **dict(ENGINE, sparse_method="snapkv"))
+    ckpt = make_checkpoint(model, tmp_path / "dk.safetensors")
+    deltakv = dict(ENGINE, sparse_method="deltakv", deltakv_checkpoint=ckpt)
+    with pytest.raises((ValueError, RankFailure), match="more tensor-parallel ranks than"):
+        LLM(model, tensor_parallel_size=4, **deltakv)
 
 
 def test_a_dead_rank_fails_the_engine_cleanly(tiny_model_factory):

@@ -13,6 +13,7 @@ require_triton()
 
 from sparsevllm.attention.triton.deltakv import reconstruct  # noqa: E402
 from sparsevllm.deltakv.compressor import DeltaKVCompressor  # noqa: E402
+from sparsevllm.deltakv.shard import CompressorShard  # noqa: E402
 from sparsevllm.deltakv.spec import DeltaKVSpec  # noqa: E402
 from sparsevllm.sparse.deltakv import TokenCodec  # noqa: E402
 
@@ -28,7 +29,7 @@ def test_kernel_matches_the_torch_decode(dtype, shape, rope, bits):
     spec = DeltaKVSpec(layers=(0,), num_kv_heads=hkv, head_dim=d, latent_dims=(r,))
     compressor = DeltaKVCompressor(spec).to(DEVICE)
     freqs = (1.0 / 10000 ** (torch.arange(0, d, 2) / d)).to(DEVICE) if rope else None
-    codec = TokenCodec(compressor, 0, freqs, bits=bits)
+    codec = TokenCodec(CompressorShard(compressor, (0, hkv)), 0, freqs, bits=bits)
     n, rows, refs_per = 9, 50, 4
     full_k = torch.randn(rows, hkv, d, generator=g).to(DEVICE, dtype)
     full_v = torch.randn(rows, hkv, d, generator=g).to(DEVICE, dtype)
@@ -51,7 +52,7 @@ def _codec_inputs(dtype: torch.dtype, hkv: int = 2, d: int = 64, r: int = 32):
     spec = DeltaKVSpec(layers=(0,), num_kv_heads=hkv, head_dim=d, latent_dims=(r,))
     compressor = DeltaKVCompressor(spec).to(DEVICE)
     freqs = (1.0 / 10000 ** (torch.arange(0, d, 2) / d)).to(DEVICE)
-    codec = TokenCodec(compressor, 0, freqs, bits=4)
+    codec = TokenCodec(CompressorShard(compressor, (0, hkv)), 0, freqs, bits=4)
     n, rows = 33, 40
     full_k = torch.randn(rows, hkv, d, generator=g).to(DEVICE, dtype)
     full_v = torch.randn(rows, hkv, d, generator=g).to(DEVICE, dtype)
@@ -64,7 +65,7 @@ def _codec_inputs(dtype: torch.dtype, hkv: int = 2, d: int = 64, r: int = 32):
 
 def test_a_16bit_up_projection_is_read_as_its_float32_values():
     codec, codes, full_k, full_v, refs, row_pos, pos = _codec_inputs(torch.bfloat16)
-    y = codec.compressor.codec(0).up_proj(codec.latents(codes)).to(torch.bfloat16)
+    y = codec.shard.compressor.codec(0).up_proj(codec.latents(codes)).to(torch.bfloat16)
     got = reconstruct(y, full_k, full_v, refs, row_pos, pos, codec.freqs)
     want = reconstruct(y.float(), full_k, full_v, refs, row_pos, pos, codec.freqs)
     for a, b in zip(got, want):

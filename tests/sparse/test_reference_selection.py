@@ -289,7 +289,10 @@ def test_omnikv_pick_matches_reference(seed):
 
 def _omnikv_step(m: OmniKV, layers: int, scores: dict, score_rows: list[int], q: torch.Tensor):
     """One decode step as the runner runs it: begin_step, then every layer."""
-    batch = SimpleNamespace(sparse=SimpleNamespace(score_rows=score_rows, scores=scores))
+    sparse = SimpleNamespace(
+        score_rows=score_rows, scores=scores, head_mean=lambda t, dim: t.float().mean(dim)
+    )
+    batch = SimpleNamespace(sparse=sparse)
     m.begin_step(batch)
     out = {}
     for layer in range(layers):

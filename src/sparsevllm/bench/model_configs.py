@@ -38,6 +38,15 @@ _LLAMA3_8B_1M: dict[str, Any] = {
     "max_position_embeddings": 1048576,
     "rope_theta": 3580165449.0,
 }
+# Llama-3-70B (Llama 3.1's RoPE scaling): 141 GB of bf16 weights, more than one GPU holds.
+_LLAMA3_70B: dict[str, Any] = {
+    **_LLAMA3_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
 _QWEN3_8B: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -176,6 +185,7 @@ _MOONLIGHT_16B_A3B: dict[str, Any] = {
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama3-8b": _LLAMA3_8B,
     "llama3-8b-1m": _LLAMA3_8B_1M,
+    "llama3-70b": _LLAMA3_70B,
     "qwen3-8b": _QWEN3_8B,
     "qwen2.5-7b": _QWEN25_7B,
     "qwen3-30b-a3b": _QWEN3_30B_A3B,

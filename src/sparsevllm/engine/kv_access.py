@@ -20,6 +20,7 @@ from sparsevllm.engine.slot_tables import DeviceSlotTables
 from sparsevllm.engine.view_positions import ViewPositions
 from sparsevllm.kv.format import KVStorage
 from sparsevllm.layers.parallel import SINGLE, HeadShard, TensorParallel
+from sparsevllm.sparse.base import HeadRanks
 from sparsevllm.upload import upload
 
 
@@ -55,6 +56,14 @@ class RunnerKV:
 
     def group_of(self, layer: int) -> int:
         return self.pool.group_of_layer[layer]
+
+    def head_ranks(self) -> HeadRanks:
+        if self.heads is None or not self.tp.active:
+            return HeadRanks(0, self.num_kv_heads, self.num_kv_heads)
+        shard = self.heads
+        return HeadRanks(
+            *shard.kv, shard.num_kv_heads, self.tp.all_reduce, shard.num_kv_heads < self.tp.size
+        )
 
     def rope_frequencies(self, layer: int) -> torch.Tensor | None:
         return None if self._rope is None else self._rope(layer)

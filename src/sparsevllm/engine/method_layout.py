@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.engine.kv_access import RunnerKV
-from sparsevllm.sparse.base import KVAccess, SparseMethod
+from sparsevllm.sparse.base import HeadRanks, KVAccess, SparseMethod
 
 
 def common_layout(methods: list[SparseMethod]) -> list[list[int]]:
@@ -87,6 +87,9 @@ class GroupedKV:
 
     def rope_frequencies(self, layer: int) -> torch.Tensor | None:
         return self.kv.rope_frequencies(layer)
+
+    def head_ranks(self) -> HeadRanks:
+        return self.kv.head_ranks()
 
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.kv.keys(seq_id, layer, start, end)

@@ -102,17 +102,23 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = inverse_frequencies(head_dim, params)
-        # The angle per position of each rotated pair `[head_dim // 2]` (float32, host):
-        # what a sparse method needs to move queries between positions (rope_frequencies).
+        self._max_position, self._params = max_position, params
+        self.rebuild_buffers()
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def rebuild_buffers(self) -> None:
+        """Compute the angle tables (on the default device): at construction, and again
+        after a model built on the meta device is allocated (`models/loader.py`)."""
+        inv_freq = inverse_frequencies(self.head_dim, self._params)
+        # The angle per position of each rotated pair `[head_dim // 2]` (float32): what a
+        # sparse method needs to move queries between positions (rope_frequencies).
         self.inv_freq = inv_freq
-        t = torch.arange(max_position, dtype=torch.float32)
+        t = torch.arange(self._max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
-        scale = attention_factor(params)  # YaRN scales cos and sin alike
+        scale = attention_factor(self._params)  # YaRN scales cos and sin alike
         # Kept in float32: bf16 angles at long positions lose too much precision.
         self.register_buffer("cos_cache", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -156,10 +156,8 @@ class Gemma3TextModel(nn.Module):
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # HF multiplies by sqrt(hidden) cast to the weight dtype (25.30 -> 25.25 in bf16),
-        # so the scale is kept in float32 here and cast at use, not precomputed exactly.
-        scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32)
-        self.register_buffer("embed_scale", scale, persistent=False)
+        self.hidden_size = config.hidden_size
+        self.rebuild_buffers()
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
@@ -174,6 +172,13 @@ class Gemma3TextModel(nn.Module):
                 for kind in sorted(set(layer_types_of(config)))
             }
         )
+
+    def rebuild_buffers(self) -> None:
+        """The embedding scale, on the default device (models/loader.py)."""
+        # HF multiplies by sqrt(hidden) cast to the weight dtype (25.30 -> 25.25 in bf16),
+        # so the scale is kept in float32 here and cast at use, not precomputed exactly.
+        scale = torch.tensor(self.hidden_size**0.5, dtype=torch.float32)
+        self.register_buffer("embed_scale", scale, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]

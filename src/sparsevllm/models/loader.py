@@ -191,14 +191,11 @@ def build_model(
     `head_shard` then names the attention heads it holds)."""
     cls = model_class_for(source.hf_config)
     slicers: dict[str, Slicer] = {}
-    with _default_dtype(dtype), torch.device(device), _no_weight_init():
-        model = cls(source.hf_config, max_position)
-        if tp.active:
-            # Built whole, then cut: the full model passes through memory once per rank.
-            sharder = ModelSharder(tp)
-            sharder.shard(model)
-            slicers = sharder.slicers
-            model.head_shard = sharder.heads
+    if tp.active:
+        model, slicers = _build_shard(cls, source, max_position, dtype, device, tp)
+    else:
+        with _default_dtype(dtype), torch.device(device), _no_weight_init():
+            model = cls(source.hf_config, max_position)
     # Fused before loading: the projections' parameters become views into the fused
     # tensors, so each weight is written once, in place, instead of loaded then copied.
     fuse_projections(model)
@@ -215,6 +212,60 @@ def build_model(
     if packing_applies(device, dtype):
         pack_linears(model)
     return model.eval()
+
+
+def _build_shard(
+    cls: type[nn.Module],
+    source: ModelSource,
+    max_position: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel,
+) -> tuple[nn.Module, dict[str, Slicer]]:
+    """This rank's part of the model, never the whole: built on the meta device (shapes,
+    no memory), cut by `ModelSharder`, then allocated on `device`, where modules with
+    computed buffers (RoPE tables) compute them again (`rebuild_buffers`). Every weight
+    is left to the loader; a model larger than one device fits its ranks."""
+    with _default_dtype(dtype), torch.device("meta"):
+        model = cls(source.hf_config, max_position)
+    sharder = ModelSharder(tp)
+    sharder.shard(model)
+    model.head_shard = sharder.heads
+    # Allocating gives every module a parameter of its own: tied ones (an LM head that
+    # is the embedding) are tied again after it.
+    tied = _tied_groups(model)
+    model.to_empty(device=device)
+    for group in tied:
+        shared = model.get_parameter(group[0])
+        for name in group[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
+    with _default_dtype(dtype), torch.device(device):
+        for module in model.modules():
+            rebuild = getattr(module, "rebuild_buffers", None)
+            if rebuild is not None:
+                rebuild()
+    left = [
+        f"{name}.{attr}" if name else attr
+        for name, module in model.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and value.is_meta
+    ]
+    if left:
+        raise RuntimeError(
+            f"{cls.__name__} keeps tensors computed at construction that tensor-parallel "
+            f"construction cannot allocate ({', '.join(left[:5])}): give their module a "
+            "rebuild_buffers method"
+        )
+    return model, sharder.slicers
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor, per tensor with more than one name."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
 
 
 def _state_dict(source: ModelSource) -> dict[str, torch.Tensor]:

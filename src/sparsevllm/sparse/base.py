@@ -63,7 +63,7 @@ writes one `score(...)`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeAlias, final
 
@@ -138,6 +138,20 @@ class MethodSettings(Protocol):
     def method_knobs(self) -> MethodKnobs: ...
 
 
+@dataclass(frozen=True)
+class HeadRanks:
+    """Where this process's KV heads sit among the model's under tensor parallelism:
+    heads `[start, stop)` of `total`, and `reduce`, the sum of a tensor over the ranks
+    (in place; None on one rank). `shared`: ranks replicate KV heads (more ranks than
+    KV heads), so a sum over ranks counts a head more than once."""
+
+    start: int
+    stop: int
+    total: int
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    shared: bool = False
+
+
 class KVAccess(Protocol):
     """The runner's KV operations offered to methods (views are in slot-table order)."""
 
@@ -167,6 +181,11 @@ class KVAccess(Protocol):
 
     def group_of(self, layer: int) -> int:
         """The pool group that holds `layer`."""
+        ...
+
+    def head_ranks(self) -> HeadRanks:
+        """This rank's KV heads and the sum over tensor-parallel ranks (one rank: every
+        head, no sum)."""
         ...
 
     def rope_frequencies(self, layer: int) -> torch.Tensor | None:

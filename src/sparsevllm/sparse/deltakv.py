@@ -41,9 +41,17 @@ from sparsevllm.deltakv.checkpoint import CheckpointInfo, load_compressor, read_
 from sparsevllm.deltakv.compressor import DeltaKVCompressor, join_kv, split_kv
 from sparsevllm.deltakv.latent_codes import PackedLatents, pack_latents, unpack_latents
 from sparsevllm.deltakv.rope import rotate, unrotate
+from sparsevllm.deltakv.shard import CompressorShard
 from sparsevllm.kv.deltakv import DeltaKVStorage, deltakv_format
 from sparsevllm.kv.format import KVFormat, KVPair, KVStorage
-from sparsevllm.sparse.base import KVAccess, MethodSettings, RowScores, SeqStep, SparseMethod
+from sparsevllm.sparse.base import (
+    HeadRanks,
+    KVAccess,
+    MethodSettings,
+    RowScores,
+    SeqStep,
+    SparseMethod,
+)
 from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, MethodSpec, knob
 
 if TYPE_CHECKING:
@@ -87,33 +95,34 @@ class DeltaKVKnobs(MethodKnobs):
 
 
 class TokenCodec:
-    """One layer's way between pool K/V and codes: pre-RoPE vectors, latents, bytes."""
+    """One layer's way between pool K/V and codes: pre-RoPE vectors, latents, bytes.
+    Vectors hold this rank's KV heads (`shard`: every head on one rank)."""
 
     def __init__(
         self,
-        compressor: DeltaKVCompressor,
+        shard: CompressorShard,
         layer: int,
         freqs: torch.Tensor | None,
         bits: int,
     ) -> None:
-        self.compressor, self.layer, self.freqs, self.bits = compressor, layer, freqs, bits
-        self.width = compressor.spec.latent_dim(layer)
-        self.num_kv_heads, self.head_dim = compressor.spec.num_kv_heads, compressor.spec.head_dim
-        self._up_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.shard, self.layer, self.freqs, self.bits = shard, layer, freqs, bits
+        spec = shard.compressor.spec
+        self.width = spec.latent_dim(layer)
+        self.num_kv_heads, self.head_dim = shard.num_kv_heads, spec.head_dim
+        self._up_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _up_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The linear up map's weight `[C, r]` and bias `[C]` for the GEMM of a pool in
-        `dtype`: the compressor's own (float32) for a float32 pool; a 16-bit pool, whose
-        rows hold the result in 16 bits anyway, runs the GEMM in its dtype (float32
+    def _up_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The linear up map's weight `[C, r]` and bias `[C]` (this rank's rows) for the
+        GEMM of a pool in `dtype`: float32 for a float32 pool; a 16-bit pool, whose rows
+        hold the result in 16 bits anyway, runs the GEMM in its dtype (float32
         accumulation) from a copy made once, which reads W_up in half the bytes and runs
         on the tensor cores."""
-        up = self.compressor.codec(self.layer).up_proj
-        assert isinstance(up, torch.nn.Linear)
-        if dtype.itemsize >= up.weight.dtype.itemsize:
-            return up.weight, up.bias
+        weight, bias = self.shard.up_rows(self.layer)
+        if dtype.itemsize >= weight.dtype.itemsize:
+            return weight, bias
         cached = self._up_cache.get(dtype)
-        if cached is None or cached[0].device != up.weight.device:
-            cached = (up.weight.detach().to(dtype), up.bias.detach().to(dtype))
+        if cached is None or cached[0].device != weight.device:
+            cached = (weight.to(dtype), None if bias is None else bias.to(dtype))
             self._up_cache[dtype] = cached
         return cached
 
@@ -154,7 +163,7 @@ class TokenCodec:
     ) -> KVPair:
         """K (rotated at `pos`), V `[n, Hkv, D]` float32: a GEMM and the Triton epilogue
         on CUDA for linear up maps, else `decode_reference`."""
-        if codes.is_cuda and self.compressor.spec.hidden_dim == 0:
+        if codes.is_cuda and self.shard.compressor.spec.hidden_dim == 0:
             from sparsevllm.attention.triton.deltakv import reconstruct
 
             weight, bias = self._up_weights(full_k.dtype)
@@ -173,7 +182,7 @@ class TokenCodec:
         """x^ = up(latent) + mean(references), the key rotated at `pos`: `[n, Hkv, D]`."""
         n, r = ref_pos.shape
         refs = self.vectors(ref_k.flatten(0, 1), ref_v.flatten(0, 1), ref_pos.reshape(-1))
-        x = self.compressor.reconstruct(self.layer, self.latents(codes), refs.view(n, r, -1))
+        x = self.shard.reconstruct(self.layer, self.latents(codes), refs.view(n, r, -1))
         k, v = split_kv(x.float(), self.num_kv_heads, self.head_dim)  # [n, Hkv, D] each
         return rotate(k, pos, self.freqs), v
 
@@ -187,13 +196,20 @@ class TokenCodec:
 
 
 def nearest_centers(
-    xt: torch.Tensor, t_pos: torch.Tensor, xc: torch.Tensor, c_pos: torch.Tensor, count: int
+    xt: torch.Tensor,
+    t_pos: torch.Tensor,
+    xc: torch.Tensor,
+    c_pos: torch.Tensor,
+    count: int,
+    shard: CompressorShard,
 ) -> torch.Tensor:
     """The definition's references (deltakv/centers.py `select_references`) of tokens
     `xt` `[n, C]` at `t_pos` `[n]` among centers `xc` `[M, C]` at `c_pos` `[M]`: the
     `count` nearest earlier centers in squared L2, ties to the earlier: `[n, count]`
-    indices into the centers, nearest first."""
+    indices into the centers, nearest first. Over ranks, each holds some channels of
+    the vectors: the distances over them are summed before the search."""
     dist = (xt * xt).sum(-1, keepdim=True) + (xc * xc).sum(-1)[None, :] - 2.0 * (xt @ xc.T)
+    dist = shard.sum_over_ranks(dist)  # [n, M]
     dist = dist.masked_fill(c_pos[None, :] > t_pos[:, None], float("inf"))  # [n, M]
     return torch.sort(dist, dim=-1, stable=True).indices[:, :count]
 
@@ -215,21 +231,38 @@ class DeltaKV(SparseMethod):
         super().__init__(config, num_layers, num_kv_heads, layers)
         self.info = _read_checkpoint(self.knobs.deltakv_checkpoint)
         self.compressor: DeltaKVCompressor | None = None
+        self.shard: CompressorShard | None = None  # this rank's (attach_storage)
         self.codecs: dict[int, TokenCodec] = {}
         self.storages: dict[int, DeltaKVStorage] = {}
 
     def bind_model(self, model: ModelIdentity) -> None:
         """Load the compressor, refusing one trained for another model."""
         self.compressor, _ = load_compressor(self.knobs.deltakv_checkpoint, model)
-        self._check_shape()
+        self._check_layers()
 
-    def _check_shape(self) -> None:
+    def _check_layers(self) -> None:
         spec = self.info.spec
-        if spec.layers != self.layers or spec.num_kv_heads != self.num_kv_heads:
+        if spec.layers != self.layers:
+            raise ValueError(
+                f"{self.info.path} compresses layers {list(spec.layers)}; this model's "
+                f"managed layers are {list(self.layers)}"
+            )
+
+    def _check_shape(self, heads: HeadRanks) -> None:
+        """The checkpoint's layers and KV heads against the model's (`heads`: this
+        rank's among the model's)."""
+        spec = self.info.spec
+        if spec.layers != self.layers or spec.num_kv_heads != heads.total:
             raise ValueError(
                 f"{self.info.path} compresses layers {list(spec.layers)} with "
                 f"{spec.num_kv_heads} KV heads; this model's managed layers are "
-                f"{list(self.layers)} with {self.num_kv_heads} KV heads"
+                f"{list(self.layers)} with {heads.total} KV heads"
+            )
+        if heads.shared:
+            raise ValueError(
+                "deltakv cannot run with more tensor-parallel ranks than the model's "
+                f"{heads.total} KV heads (ranks would replicate heads that one latent "
+                "compresses together): use at most that many ranks"
             )
 
     # -- storage ----------------------------------------------------------------------
@@ -244,12 +277,15 @@ class DeltaKV(SparseMethod):
     def attach_storage(self, storages: Sequence[KVStorage], kv: KVAccess) -> None:
         # The compressor runs where the KV lives (a checkpoint loads on the CPU).
         compressor = self._loaded().to(storages[self.layers[0]].device)
+        heads = kv.head_ranks()
+        self._check_shape(heads)
+        self.shard = CompressorShard(compressor, (heads.start, heads.stop), heads.reduce)
         for layer in self.layers:
             storage = storages[layer]
             if not isinstance(storage, DeltaKVStorage):
                 raise ValueError(f"deltakv needs its own storage at layer {layer}")
             codec = TokenCodec(
-                compressor, layer, kv.rope_frequencies(layer), self.knobs.deltakv_latent_bits
+                self.shard, layer, kv.rope_frequencies(layer), self.knobs.deltakv_latent_bits
             )
             storage.attach_decoder(codec)
             self.codecs[layer], self.storages[layer] = codec, storage
@@ -257,7 +293,7 @@ class DeltaKV(SparseMethod):
     def _loaded(self) -> DeltaKVCompressor:
         if self.compressor is None:  # no model identity was given (harnesses)
             self.compressor, _ = load_compressor(self.knobs.deltakv_checkpoint)
-            self._check_shape()
+            self._check_layers()
         return self.compressor
 
     def _sink(self) -> int:
@@ -327,8 +363,9 @@ class DeltaKV(SparseMethod):
         pos_d, c_pos_d = pos.to(device), c_pos.to(device)
         xt = codec.vectors(*storage.read(slots), pos_d)  # [n, C]
         xc = codec.vectors(*storage.read(c_slots), c_pos_d)  # [M, C]
-        idx = nearest_centers(xt, pos_d, xc, c_pos_d, self.info.spec.num_references)  # [n, R]
-        latent = self._loaded().compress(layer, xt, xc[idx])  # [n, r]
+        shard = codec.shard
+        idx = nearest_centers(xt, pos_d, xc, c_pos_d, self.info.spec.num_references, shard)
+        latent = shard.compress(layer, xt, xc[idx])  # [n, r]: idx [n, R]
         storage.compress(slots, pos_d, codec.encode(latent), c_slots[idx], c_pos_d[idx])
 
     def _compress_singles(self, singles: list[tuple[int, int]], kv: KVAccess) -> None:
@@ -399,10 +436,11 @@ class DeltaKV(SparseMethod):
         xc = codec.vectors(ck, cv, c_pos_d.repeat(g)).view(g, m, -1)  # [G, m, C]
         dot = torch.bmm(xc, xt[:, :, None])[..., 0]  # [G, m]
         dist = (xt * xt).sum(-1, keepdim=True) + (xc * xc).sum(-1) - 2.0 * dot
+        dist = codec.shard.sum_over_ranks(dist)  # over ranks: each holds some channels
         dist = dist.masked_fill(~valid.to(dev), float("inf"))
         idx = torch.sort(dist, dim=-1, stable=True).indices[:, : self.info.spec.num_references]
         refs = xc.gather(1, idx[..., None].expand(-1, -1, xc.shape[-1]))  # [G, R, C]
-        latent = self._loaded().compress(layer, xt, refs)  # [G, r]
+        latent = codec.shard.compress(layer, xt, refs)  # [G, r]
         storage.compress(slots_d, pos_d, codec.encode(latent), table_d.gather(1, idx), c_pos_d[idx])
 
     # -- reconstruct in decode: which compressed tokens a query reads -----------------
@@ -426,7 +464,8 @@ class DeltaKV(SparseMethod):
         )  # [m, Hkv, D]
         group = q.shape[0] // base.shape[1]
         qf = q.float().view(base.shape[1], group, -1)  # [Hkv, G, D]
-        score = torch.einsum("mhd,hgd->m", base, qf)  # [m]
+        # Summed over this rank's query heads, then over the ranks'.
+        score = batch.sparse.sum_over_ranks(torch.einsum("mhd,hgd->m", base, qf))  # [m]
         best = compressed[score.topk(topk).indices]
         keep = storage.is_full(view).clone()
         keep[best] = True
@@ -462,8 +501,4 @@ SPEC = MethodSpec(
         "mla_latent": "DeltaKV compresses per-head K and V (an MLA latent row is "
         "compressed already)"
     },
-    tensor_parallel_refusal=(
-        "its compressor maps every KV head of a token together (one latent per token), and "
-        "tensor-parallel ranks hold different heads"
-    ),
 )

@@ -7,7 +7,9 @@ reads only those tokens. Nothing is evicted, so prefix caching stays exact.
 
 `select_view` (per row) is the reference definition; the engine calls `select_views`,
 which picks for the whole batch on the device from the full layer's `[S, Hq, W]`
-probabilities (head mean, masked top-k), with no host synchronisation.
+probabilities (head mean, masked top-k), with no host synchronisation. Over
+tensor-parallel ranks the head mean adds every rank's sum (`SparseStep.head_mean`), so
+each rank picks the tokens one rank would.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ class OmniKV(SparseMethod):
             attn = batch.sparse.scores[source][row]  # [num_heads, L]; last column: the query
             if attn is None:
                 raise RuntimeError(f"OmniKV: full layer {source} reported no scores")
-            self._row_picks[key] = omnikv_pick(attn, self.config.decode_keep_tokens)
+            mean = batch.sparse.head_mean(attn, 0)  # [L]
+            self._row_picks[key] = pick_from_mean(mean, self.config.decode_keep_tokens)
         return self._row_picks[key]
 
     def select_views(
@@ -115,8 +118,8 @@ class OmniKV(SparseMethod):
         source = max(f for f in self.full_layers if f < layer)
         if source not in self._picks:  # the picks of a full layer serve all its followers
             context = batch.view_lens_t[batch.group_of_layer[source]] - 1  # [S]
-            self._picks[source] = omnikv_picks(
-                sparse.dense_scores(source),
+            self._picks[source] = picks_from_mean(
+                sparse.head_mean(sparse.dense_scores(source), 1),
                 context,
                 sparse.score_rows_t,
                 self.config.decode_keep_tokens,
@@ -128,17 +131,17 @@ class OmniKV(SparseMethod):
         return positions.unsqueeze(1).expand(-1, self.num_kv_heads, -1), lens
 
 
-def omnikv_picks(
-    probs: torch.Tensor, context: torch.Tensor, wants: torch.Tensor, budget: int
+def picks_from_mean(
+    avg: torch.Tensor, context: torch.Tensor, wants: torch.Tensor, budget: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched `omnikv_pick`, device-side: top-`budget` context positions per row.
+    """Batched `pick_from_mean`, device-side: top-`budget` context positions per row.
 
-    probs `[S, Hq, W]` (a row's columns past its view are ignored), context `[S]` (view
-    length - 1), wants `[S]` (score_rows: 0 reads the whole view). Returns (positions
-    `[S, budget]` int32 ascending, lens `[S]` int32): rows whose context fits the budget
-    read positions 0 .. context - 1; rows that did not ask get lens -1.
+    avg `[S, W]` float32, the head-averaged probabilities (a row's columns past its view
+    are ignored), context `[S]` (view length - 1), wants `[S]` (score_rows: 0 reads the
+    whole view). Returns (positions `[S, budget]` int32 ascending, lens `[S]` int32):
+    rows whose context fits the budget read positions 0 .. context - 1; rows that did
+    not ask get lens -1.
     """
-    avg = probs.float().mean(dim=1)  # [S, W]
     if avg.shape[1] < budget:  # short views: pad so top-k always has `budget` columns
         avg = torch.nn.functional.pad(avg, (0, budget - avg.shape[1]), value=float("-inf"))
     cols = torch.arange(avg.shape[1], device=avg.device)  # [W']
@@ -154,7 +157,12 @@ def omnikv_picks(
 
 def omnikv_pick(attn: torch.Tensor, budget: int) -> torch.Tensor | None:
     """Top-`budget` context positions by head-averaged attention (None: read all)."""
-    context = attn[:, :-1].float().mean(dim=0)
+    return pick_from_mean(attn.float().mean(dim=0), budget)
+
+
+def pick_from_mean(mean: torch.Tensor, budget: int) -> torch.Tensor | None:
+    """`omnikv_pick` from the head-averaged attention `[L]` (last entry: the query)."""
+    context = mean[:-1]
     if context.numel() <= budget:
         return None
     return context.topk(budget).indices.sort().values
@@ -169,9 +177,4 @@ SPEC = MethodSpec(
     budget_fields=("decode_keep_tokens",),
     budget_knob="decode_keep_tokens",
     prefix_cache=True,
-    tensor_parallel_refusal=(
-        "its filter layers pick one token set from the mean over every query head, on the "
-        "device inside the decode step, and tensor-parallel ranks hold different heads (not "
-        "yet gathered across ranks)"
-    ),
 )

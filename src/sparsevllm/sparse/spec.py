@@ -167,9 +167,6 @@ class MethodSpec:
       (None: every format; a method that reads stored bytes itself would list its own).
     - `refused_layouts`: slot layouts (kv/layout.py: `gqa`, `mla_latent`) the method cannot
       serve, each with the reason; the engine refuses the method on such a model.
-    - `tensor_parallel_refusal`: why the method cannot run over tensor-parallel ranks
-      (its selection combines KV heads that the ranks hold apart), None when each KV
-      head's selection depends on that head alone, so each rank selects for its own.
 
     How the method uses decode views (`decode_views`) and whether it can bound a prompt's
     prefill memory (`bounded_prefill`) are read from its class, which declares them beside
@@ -190,7 +187,6 @@ class MethodSpec:
     prunable: bool = True
     kv_formats: tuple[str, ...] | None = None
     refused_layouts: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    tensor_parallel_refusal: str | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

@@ -1,0 +1,133 @@
+"""The compressor over tensor-parallel ranks: each rank holds some KV heads of a token.
+
+A token vector x is `[K of every KV head, V of every KV head]` (`join_kv`), and a rank
+holds the rows of its heads `[kv0, kv1)`: the columns `x_r` of its K block and its V
+block. The compressor's maps cut along those columns:
+
+- down: its first linear map reads x, so it is row-parallel. Each rank multiplies its
+  columns, `W[:, cols] x_r`, the ranks' partial products are summed (`reduce`, an
+  all-reduce), the bias is added once; what follows (GELU and `fc_out` in an MLP map)
+  runs whole on every rank. So every rank computes the same latent, as one rank would.
+- up: its last linear map writes x, so it is column-parallel. A rank computes only its
+  heads' outputs, `W[cols, :] h + b[cols]`, and adds its heads' part of the base.
+
+On one rank (`heads` covering every KV head) the shard calls the compressor itself, so
+a single process computes exactly what it did before tensor parallelism existed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsevllm.deltakv.compressor import DeltaKVCompressor, reference_mean
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def head_columns(heads: tuple[int, int], num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Indices into a token vector of the K and V channels of KV heads `[h0, h1)`."""
+    h0, h1 = heads
+    k = torch.arange(h0 * head_dim, h1 * head_dim)
+    return torch.cat([k, k + num_kv_heads * head_dim])
+
+
+def _first_linear(down: nn.Module) -> tuple[nn.Linear, nn.Module | None]:
+    """A down map's first linear layer, and what follows it (None: nothing)."""
+    if isinstance(down, nn.Linear):
+        return down, None
+    assert isinstance(down, nn.Sequential)
+    first, act, out = down.fc_in, down.act, down.fc_out
+    assert isinstance(first, nn.Linear) and isinstance(act, nn.Module)
+    assert isinstance(out, nn.Module)
+    return first, nn.Sequential(act, out)
+
+
+def _last_linear(up: nn.Module) -> tuple[nn.Module | None, nn.Linear]:
+    """An up map's last linear layer, and what precedes it (None: nothing)."""
+    if isinstance(up, nn.Linear):
+        return None, up
+    assert isinstance(up, nn.Sequential)
+    first, act, last = up.fc_in, up.act, up.fc_out
+    assert isinstance(first, nn.Module) and isinstance(act, nn.Module)
+    assert isinstance(last, nn.Linear)
+    return nn.Sequential(first, act), last
+
+
+class CompressorShard:
+    """One rank's view of a `DeltaKVCompressor` (module docstring)."""
+
+    def __init__(
+        self,
+        compressor: DeltaKVCompressor,
+        heads: tuple[int, int],
+        reduce: Reduce | None = None,
+    ) -> None:
+        spec = compressor.spec
+        self.compressor = compressor
+        self.heads = heads
+        self.num_kv_heads = heads[1] - heads[0]  # this rank's
+        self.whole = self.num_kv_heads == spec.num_kv_heads
+        if not self.whole and reduce is None:
+            raise ValueError("a compressor shard of some KV heads needs the ranks' sum")
+        self.reduce = reduce
+        self.cols = head_columns(heads, spec.num_kv_heads, spec.head_dim)
+        self._down: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._up: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def _param_dtype(self) -> torch.dtype:
+        return next(self.compressor.parameters()).dtype
+
+    def down_columns(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first down linear's weight columns of this rank `[h, C_r]` and its bias."""
+        if layer not in self._down:
+            first, _ = _first_linear(self.compressor.codec(layer).down_proj)
+            cols = self.cols.to(first.weight.device)
+            self._down[layer] = (first.weight.detach()[:, cols].contiguous(), first.bias)
+        return self._down[layer]
+
+    def up_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last up linear's weight rows of this rank `[C_r, h]` and their bias."""
+        if layer not in self._up:
+            _, last = _last_linear(self.compressor.codec(layer).up_proj)
+            cols = self.cols.to(last.weight.device)
+            bias = None if last.bias is None else last.bias.detach()[cols].contiguous()
+            self._up[layer] = (last.weight.detach()[cols].contiguous(), bias)
+        return self._up[layer]
+
+    def compress(self, layer: int, kv: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of tokens `[N, C_r]` and of their references `[N, R, C_r]`
+        -> the latents `[N, r]` of the whole tokens (the same on every rank)."""
+        if self.whole:
+            return self.compressor.compress(layer, kv, centers)
+        assert self.reduce is not None
+        dtype = self._param_dtype()
+        weight, bias = self.down_columns(layer)
+        base = reference_mean(centers.to(dtype))  # [N, C_r]
+        parts = F.linear(torch.stack([kv.to(dtype), base]), weight)  # [2, N, h]
+        summed = self.reduce(parts.contiguous())
+        if bias is not None:
+            summed = summed + bias
+        _, rest = _first_linear(self.compressor.codec(layer).down_proj)
+        if rest is not None:
+            summed = rest(summed)
+        return summed[0] - summed[1]
+
+    def reconstruct(self, layer: int, latent: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
+        """Latents `[N, r]` and this rank's columns of the references `[N, R, C_r]` ->
+        this rank's columns of the token vectors `[N, C_r]`."""
+        if self.whole:
+            return self.compressor.reconstruct(layer, latent, centers)
+        dtype = self._param_dtype()
+        head, _ = _last_linear(self.compressor.codec(layer).up_proj)
+        hidden = latent.to(dtype) if head is None else head(latent.to(dtype))
+        weight, bias = self.up_rows(layer)
+        return F.linear(hidden, weight, bias) + reference_mean(centers.to(dtype))
+
+    def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """A per-rank partial sum (e.g. of squared distances over the rank's channels)
+        summed over the ranks (itself on one rank)."""
+        return partial if self.reduce is None else self.reduce(partial.contiguous())
