@@ -2,7 +2,7 @@
 # One GPU session: correctness first, then the timed benchmarks (writes JSON to $OUT).
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
-#          gguf-part | quality | quality-rerun | quality-modes | quality-formats | formats-kernels | formats-throughput |
+#          gguf-part | quality | quality-rerun | quality-modes | quality-formats | quality-prefill | formats-kernels | formats-throughput |
 #          capacity-methods | formats-capacity | million | mla | deltakv-throughput |
 #          deltakv-quality | tp
 #   (several parts: run them one after another)
@@ -51,6 +51,24 @@ quality_formats() {
     tail -12 "$OUT/quality_kv_$f.log"
   done
 }
+quality_prefill() {
+  # Issue 22 item 2: sparse prefill (vertical_slash in Gemma-3-270M's global layers, from
+  # views of 1,024 tokens on) against dense prefill, vanilla decode, niah_single and
+  # niah_multikey, 4K and 16K, 20 samples; one report per length and prefill.
+  [ -f /tmp/g/gemma-3-270m-q4_k_m.gguf ] || cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf
+  for len in ${QP_LENGTHS:-4096 16384}; do
+    for p in off vertical_slash; do
+      cfg=""
+      [ "$p" = off ] || cfg="--config docs/quality/prefill_sparse/config_$p.json"
+      PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \
+         --model /tmp/g/gemma-3-270m-q4_k_m.gguf --tasks niah_single,niah_multikey \
+         --lengths $len --samples 20 --methods vanilla $cfg \
+         --max-num-seqs 64 --enforce-eager --no-progress \
+         --json "$OUT/quality_prefill_${p}_$len.json" > "$OUT/quality_prefill_${p}_$len.log" 2>&1
+      tail -6 "$OUT/quality_prefill_${p}_$len.log"
+    done
+  done
+}
 quality_deltakv() {
   # Issue 16 item 3: the Gemma compressor served at three recent windows (8,000: nothing
   # compressed, the control that must equal vanilla; 220: SnapKV 0.75's bytes; 16: the
@@ -96,6 +114,8 @@ run_part() {
       quality_modes ;;
     quality-formats)
       quality_formats ;;
+    quality-prefill)
+      quality_prefill ;;
     tp)
       # Issue 21 item 2 (needs 2 GPUs; not yet run): Llama-3-8B shapes, dense and SnapKV
       # (2,048) at TP=1 and TP=2: decode tok/s and the per-GPU roofline from the JSON (the
@@ -108,6 +128,17 @@ run_part() {
              > "$OUT/tp${tp}_$m.log" 2>&1 || { echo "failed: $m tp $tp"; tail -5 "$OUT/tp${tp}_$m.log"; }
           grep -hE '"(decode_tokens_per_s|time_per_output_token_s|roofline_fraction)"' \
              "$OUT/tp${tp}_llama3_8b_${m}_8k.json"
+        done
+      done
+      # Llama-3-70B shapes (141 GB of weights: only TP=2 holds them), vanilla and SnapKV
+      # at 8K and 32K.
+      for len in 8192 32768; do
+        for m in vanilla snapkv; do
+          timeout ${TP_RUN_S:-240} python -m sparsevllm.cli bench throughput --model-config llama3-70b \
+             --prompt-len $len --output-len 64 --batch-size ${TP70_BATCH:-8} \
+             --max-model-len $((len + 256)) --sparse-method $m --decode-keep-tokens 2048 \
+             --tensor-parallel-size 2 --json "$OUT/tp2_llama3_70b_${m}_$len.json" \
+             > "$OUT/tp2_70b_${m}_$len.log" 2>&1 || { echo "failed: 70b $m $len"; tail -5 "$OUT/tp2_70b_${m}_$len.log"; }
         done
       done ;;
     deltakv-quality)

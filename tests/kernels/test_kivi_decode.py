@@ -78,7 +78,14 @@ def reference(q, storage, table, rows, lens, scale) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["int4", "int2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,num_splits", [((4, 2), 1), ((8, 2), 3), ((3, 1), 2)])
-def test_kivi_decode_equals_the_reference_over_dequantized_reads(name, dtype, heads, num_splits):
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"prefetch": True}, {"dequant_keys": True}],
+    ids=["in-order", "prefetch", "dequant-keys"],
+)
+def test_kivi_decode_equals_the_reference_over_dequantized_reads(
+    name, dtype, heads, num_splits, variant
+):
     num_q_heads, num_kv_heads = heads
     lens = [1, 5, 19, 40, 71, 0, 33]
     storage, table, rows, lens_t = build(name, dtype, lens, num_kv_heads, seed=num_splits)
@@ -105,6 +112,7 @@ def test_kivi_decode_equals_the_reference_over_dequantized_reads(name, dtype, he
         bits=storage.bits,
         num_splits=num_splits,
         block_n=16,
+        **variant,
     )
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert float(err) < TOL[dtype]

@@ -4,7 +4,9 @@ side by side with the bf16 decode kernel over the same views.
     python -m sparsevllm.bench.kivi_kernels --json out.json
 
 Batch 64 x 8K context (Llama-3-8B layer shapes: Hq 32, Hkv 8, D 128, bf16 queries),
-views over randomly permuted slots. Each view's newest `--residual` tokens stay in
+views over randomly permuted slots (`--slots permuted`, the worst case: every token's
+rows elsewhere) or over consecutive slots (`--slots sequential`, what the engine's
+default slot order gives most prompts). Each view's newest `--residual` tokens stay in
 full precision, the rest is sealed in order (G = `--group` tokens to a key group), as
 the engine leaves a view after prefill. The byte floor counts what the kernel must read:
 codes, value parameters, each slot's state and table entry, each key group's parameters
@@ -20,6 +22,8 @@ import math
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from sparsevllm.attention import torch_ref
 from sparsevllm.attention.triton import decode_attention
@@ -32,7 +36,9 @@ from sparsevllm.kv.registry import get_format
 STORE_CHUNK = 8192  # tokens stored, then sealed, at a time
 
 
-def build(name: str, batch: int, ctx: int, group: int, residual: int) -> dict[str, Any]:
+def build(
+    name: str, batch: int, ctx: int, group: int, residual: int, permuted: bool
+) -> dict[str, Any]:
     """KIVI storage of `batch` views of `ctx` tokens (random K/V) and their tables."""
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -41,8 +47,7 @@ def build(name: str, batch: int, ctx: int, group: int, residual: int) -> dict[st
     num_slots = batch * ctx
     storage = fmt.create(num_slots, HKV, D, DTYPE, device)
     assert isinstance(storage, KiviStorage)
-    table = torch.randperm(num_slots, device=device, generator=gen).to(torch.int32)
-    table = table.view(batch, ctx).contiguous()  # [batch, ctx]
+    table = _slot_order(num_slots, permuted, gen).view(batch, ctx).contiguous()  # [batch, ctx]
     for s in range(batch):
         for a in range(0, ctx, STORE_CHUNK):
             slots = table[s, a : a + STORE_CHUNK].long()
@@ -53,6 +58,12 @@ def build(name: str, batch: int, ctx: int, group: int, residual: int) -> dict[st
             if sealed:
                 storage.seal(slots[:sealed].view(-1, group))
     return dict(storage=storage, table=table, sealed=(ctx - residual) // group * group)
+
+
+def _slot_order(num_slots: int, permuted: bool, gen: torch.Generator) -> torch.Tensor:
+    if permuted:
+        return torch.randperm(num_slots, device=gen.device, generator=gen).to(torch.int32)
+    return torch.arange(num_slots, device=gen.device, dtype=torch.int32)
 
 
 def floor_bytes(storage: KiviStorage, batch: int, ctx: int, sealed: int) -> int:
@@ -68,8 +79,68 @@ def floor_bytes(storage: KiviStorage, batch: int, ctx: int, sealed: int) -> int:
     )
 
 
-def bench(name: str, batch: int, ctx: int, group: int, residual: int, bw: float) -> dict[str, Any]:
-    built = build(name, batch, ctx, group, residual)
+@triton.jit
+def _read_probe_kernel(  # type: ignore[no-untyped-def]
+    k_ptr, v_ptr, par_ptr, table_ptr, out_ptr, ctx, stride_cs, stride_ch, stride_ps,
+    P: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """What the decode kernel's fast loop reads, and nothing else: per (KV head, view,
+    split) the table entries, packed K and V rows and value parameters, summed."""
+    kvh, s, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, ctx)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_p = tl.arange(0, P)
+    acc = tl.zeros([BLOCK_N, P], tl.int32)
+    for j in range(start, end, BLOCK_N):
+        ok = (j + offs_n) < end
+        slot = tl.load(table_ptr + s.to(tl.int64) * ctx + j + offs_n, mask=ok, other=0)
+        row = slot.to(tl.int64)[:, None] * stride_cs + kvh * stride_ch + offs_p[None, :]
+        acc += tl.load(k_ptr + row, mask=ok[:, None], other=0).to(tl.int32)
+        acc += tl.load(v_ptr + row, mask=ok[:, None], other=0).to(tl.int32)
+        par = tl.load(par_ptr + slot.to(tl.int64) * stride_ps + kvh, mask=ok, other=0)
+        acc += par[:, None] & 0xFF  # small: the sum must not overflow
+    tl.store(out_ptr + (s * tl.num_programs(0) + kvh) * NUM_SPLITS + split, tl.sum(acc))
+
+
+def read_probe_ms(storage: KiviStorage, table: torch.Tensor, block_n: int) -> dict[str, float]:
+    """The fastest of a few split counts for the read-only probe (its own floor: the
+    codes, value parameters and table entries it reads)."""
+    buffers = storage.buffers()
+    k, v = buffers["k"], buffers["v"]
+    par = buffers["v_params"].view(torch.int32).squeeze(-1)
+    batch, ctx = table.shape
+    best = float("inf")
+    for splits in (4, 8, 16):
+        out = torch.empty(batch * HKV * splits, dtype=torch.int32, device=table.device)
+        grid = (HKV, batch, splits)
+        ms = median_ms(
+            lambda grid=grid, out=out, splits=splits: _read_probe_kernel[grid](
+                k,
+                v,
+                par,
+                table,
+                out,
+                ctx,
+                k.stride(0),
+                k.stride(1),
+                par.stride(0),
+                P=k.shape[2],
+                BLOCK_N=block_n,
+                NUM_SPLITS=splits,
+                num_warps=2,
+            )  # fmt: skip
+        )
+        best = min(best, ms)
+    nbytes = table.numel() * (HKV * (2 * k.shape[2] + 4) + 4)
+    return dict(ms=best, bytes=nbytes)
+
+
+def bench(
+    name: str, batch: int, ctx: int, group: int, residual: int, bw: float, permuted: bool
+) -> dict[str, Any]:
+    built = build(name, batch, ctx, group, residual, permuted)
     storage, table = built["storage"], built["table"]
     device = table.device
     rows = torch.arange(batch, dtype=torch.int32, device=device)
@@ -97,30 +168,35 @@ def bench(name: str, batch: int, ctx: int, group: int, residual: int, bw: float)
     floor_ms = nbytes / bw * 1e3
     # Tiles of one key group each (block_n = G) take the kernel's fast loop.
     configs: list[dict[str, Any]] = [dict(num_splits=None, num_warps=w) for w in (2, 4, 8)]
-    configs += [dict(num_splits=None, num_stages=n) for n in (1, 3, 4)]
-    configs += [dict(num_splits=n) for n in (1, 2, 4, 8)]
-    configs += [dict(num_splits=None, num_stages=4, asm_unpack=False)]
+    configs += [dict(num_splits=None, num_stages=n) for n in (1, 2, 4)]
+    configs += [dict(num_splits=n) for n in (2, 4, 8, 16)]
+    configs += [dict(num_splits=None, prefetch=True, num_stages=n) for n in (1, 3)]
+    configs += [dict(num_splits=None, asm_unpack=False)]
+    configs += [dict(num_splits=None, dequant_keys=True, num_stages=n) for n in (1, 3)]
+    configs += [dict(num_splits=None, dequant_keys=True, num_warps=4)]
     results = []
     for cfg in configs:
         ms = median_ms(lambda cfg=cfg: run(**cfg))
         name_ = ", ".join(f"{k}={v}" for k, v in cfg.items())
         results.append(dict(config=name_, ms=ms, floor_frac=floor_ms / ms))
     best = min(results, key=lambda r: r["ms"])
+    probe = read_probe_ms(storage, table, group)
+    probe["floor_frac"] = probe["bytes"] / bw * 1e3 / probe["ms"]
     return dict(
+        read_probe=probe,
         kv_cache_dtype=name, group=group, residual=residual, floor_bytes=nbytes,
         floor_ms=floor_ms, max_rel_err=max(errs), configs=results, best=best,
     )  # fmt: skip
 
 
-def bench_bf16(batch: int, ctx: int, bw: float) -> dict[str, Any]:
+def bench_bf16(batch: int, ctx: int, bw: float, permuted: bool) -> dict[str, Any]:
     """The bf16 decode kernel over the same shapes (its floor: K + V bytes)."""
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     num_slots = batch * ctx
     k = torch.randn(num_slots, HKV, D, device=device, dtype=DTYPE, generator=gen)
     v = torch.randn_like(k)
-    table = torch.randperm(num_slots, device=device, generator=gen).to(torch.int32)
-    table = table.view(batch, ctx).contiguous()
+    table = _slot_order(num_slots, permuted, gen).view(batch, ctx).contiguous()
     rows = torch.arange(batch, dtype=torch.int32, device=device)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(batch, HQ, D, device=device, dtype=DTYPE, generator=gen)
@@ -140,19 +216,26 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=32, help="KIVI's G (default 32)")
     parser.add_argument("--residual", type=int, default=128, help="KIVI's R (default 128)")
     parser.add_argument("--formats", default="int4,int2", help="comma-separated (int4,int2)")
+    parser.add_argument(
+        "--slots",
+        choices=("permuted", "sequential"),
+        default="permuted",
+        help="slot order of the views (default permuted: the worst case)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kivi_kernels needs a CUDA GPU")
     bw = copy_bandwidth(torch.device("cuda"))
-    dense = bench_bf16(args.batch, args.ctx, bw)
+    permuted = args.slots == "permuted"
+    dense = bench_bf16(args.batch, args.ctx, bw, permuted)
     torch.cuda.empty_cache()
     formats = []
     for name in args.formats.split(","):
-        formats.append(bench(name, args.batch, args.ctx, args.group, args.residual, bw))
+        formats.append(bench(name, args.batch, args.ctx, args.group, args.residual, bw, permuted))
         torch.cuda.empty_cache()
     result = dict(
         device=torch.cuda.get_device_name(0), torch=torch.__version__, batch=args.batch,
-        ctx=args.ctx, copy_bw_tb_per_s=bw / 1e12, bf16=dense, kivi=formats,
+        ctx=args.ctx, slots=args.slots, copy_bw_tb_per_s=bw / 1e12, bf16=dense, kivi=formats,
     )  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
@@ -166,6 +249,8 @@ def main() -> None:
             f"({b['config']}; {b['floor_frac']:.2f} of the floor, {dense['ms'] / b['ms']:.2f}x "
             f"bf16), rel err {r['max_rel_err']:.1e}"
         )
+        probe = r["read_probe"]
+        print(f"    read-only probe {probe['ms']:.3f} ms ({probe['floor_frac']:.2f} of its floor)")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from sparsevllm.attention.triton.kivi_planes import (
     any_plane,
     biased_plane,
     code_bias,
+    dequant_plane_qk,
     halves,
     sealed_plane_qk,
 )
@@ -52,6 +53,84 @@ def _softmax_step(qk, m_i, l_i):  # type: ignore[no-untyped-def]
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _tile_slots(table_row, tg_row, j, fast_end, end, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The slots of the fast-loop tile at `j` `[BLOCK_N]` (0 where masked), which of its
+    entries count, and its key group (0 past the fast loop's end)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    in_loop = j < fast_end
+    ok = ((j + offs_n) < end) & in_loop
+    slot = tl.load(table_row + j + offs_n, mask=ok, other=0).to(tl.int64)
+    gid = tl.load(tg_row + j // BLOCK_N, mask=in_loop, other=0).to(tl.int64)
+    return slot, ok, gid
+
+
+@triton.jit
+def _tile_loads(  # type: ignore[no-untyped-def]
+    k_head, v_head, par_head, group_head, slot, ok, gid,
+    stride_cs, stride_ps, stride_gg, P: tl.constexpr, NPL: tl.constexpr,
+):  # fmt: skip
+    """A one-group tile's packed key and value rows `[BLOCK_N, P]`, value parameters
+    `[BLOCK_N]` and its group's key parameters, plane by plane `[P]` (int32 pairs)."""
+    kb = tl.load(k_head + slot[:, None] * stride_cs, mask=ok[:, None], other=0)
+    vb = tl.load(v_head + slot[:, None] * stride_cs, mask=ok[:, None], other=0)
+    vw = tl.load(par_head + slot * stride_ps, mask=ok, other=0)
+    gp = group_head + gid * stride_gg + tl.arange(0, P)
+    g0 = tl.load(gp)
+    g1 = tl.load(gp + P)
+    if NPL == 4:
+        g2 = tl.load(gp + 2 * P)
+        g3 = tl.load(gp + 3 * P)
+    else:
+        g2 = g0
+        g3 = g0
+    return kb, vb, vw, g0, g1, g2, g3
+
+
+@triton.jit
+def _sealed_tile(  # type: ignore[no-untyped-def]
+    kb, vb, vw, g0, g1, g2, g3, ok, q0, q1, q2, q3, qk_scale,
+    m_i, l_i, zacc, acc0, acc1, acc2, acc3,
+    P: tl.constexpr, BITS: tl.constexpr, NPL: tl.constexpr, qd: tl.constexpr,
+    DOT_PREC: tl.constexpr, ASM: tl.constexpr, KDEQ: tl.constexpr,
+):  # fmt: skip
+    """One tile sealed in one key group folded into the online softmax: keys fold the
+    group's scale into the query, values their scale into the probabilities and their
+    zero points into `zacc` (module docstring)."""
+    if KDEQ:
+        qk = dequant_plane_qk(kb, g0, q0, 0, P, BITS, qd, DOT_PREC, ASM)  # [BLOCK_G, BLOCK_N]
+        qk += dequant_plane_qk(kb, g1, q1, 1, P, BITS, qd, DOT_PREC, ASM)
+        if NPL == 4:
+            qk += dequant_plane_qk(kb, g2, q2, 2, P, BITS, qd, DOT_PREC, ASM)
+            qk += dequant_plane_qk(kb, g3, q3, 3, P, BITS, qd, DOT_PREC, ASM)
+    else:
+        qk = sealed_plane_qk(kb, g0, q0, 0, P, BITS, qd, DOT_PREC, ASM)
+        qk += sealed_plane_qk(kb, g1, q1, 1, P, BITS, qd, DOT_PREC, ASM)
+        if NPL == 4:
+            qk += sealed_plane_qk(kb, g2, q2, 2, P, BITS, qd, DOT_PREC, ASM)
+            qk += sealed_plane_qk(kb, g3, q3, 3, P, BITS, qd, DOT_PREC, ASM)
+    qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
+    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
+    v_s, v_z = halves(vw)
+    p_s = (p * v_s[None, :]).to(qd)
+    acc0 = acc0 * alpha[:, None] + tl.dot(
+        p_s, biased_plane(vb, 0, BITS, qd, ASM), input_precision=DOT_PREC
+    )
+    acc1 = acc1 * alpha[:, None] + tl.dot(
+        p_s, biased_plane(vb, 1, BITS, qd, ASM), input_precision=DOT_PREC
+    )
+    if NPL == 4:
+        acc2 = acc2 * alpha[:, None] + tl.dot(
+            p_s, biased_plane(vb, 2, BITS, qd, ASM), input_precision=DOT_PREC
+        )
+        acc3 = acc3 * alpha[:, None] + tl.dot(
+            p_s, biased_plane(vb, 3, BITS, qd, ASM), input_precision=DOT_PREC
+        )
+    bias_excess = code_bias(qd) * tl.sum(p_s.to(tl.float32), 1)
+    zacc = zacc * alpha + tl.sum(p * v_z[None, :], 1) - bias_excess
+    return m_i, l_i, zacc, acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -127,6 +206,8 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     NUM_SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ASM: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    KDEQ: tl.constexpr,
 ):
     """Program (KV head, s, split): online softmax over one split of the view, its
     one-group tiles first (the fast loop), then the rest (module docstring)."""
@@ -172,38 +253,44 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     v_head = v_codes_ptr + kvh * stride_ch + offs_p[None, :]
     par_head = v_par_ptr + kvh * stride_ph
     group_head = groups_ptr + kvh * stride_gh
-    for j in range(start, fast_end, BLOCK_N):
-        valid = (j + offs_n) < end
-        slot = tl.load(table_row + j + offs_n, mask=valid, other=0).to(tl.int64)
-        gid = tl.load(tile_group_ptr + s.to(tl.int64) * stride_tg + j // BLOCK_N).to(tl.int64)
-        gp = group_head + gid * stride_gg
-        kb = tl.load(k_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
-        qk = sealed_plane_qk(kb, gp, q0, 0, P, BITS, qd, DOT_PREC, ASM)  # [BLOCK_G, BLOCK_N]
-        qk += sealed_plane_qk(kb, gp, q1, 1, P, BITS, qd, DOT_PREC, ASM)
-        if NPL == 4:
-            qk += sealed_plane_qk(kb, gp, q2, 2, P, BITS, qd, DOT_PREC, ASM)
-            qk += sealed_plane_qk(kb, gp, q3, 3, P, BITS, qd, DOT_PREC, ASM)
-        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
-        # A value's scale scales its probability, its zero point goes to zacc.
-        v_s, v_z = halves(tl.load(par_head + slot * stride_ps, mask=valid, other=0))
-        p_s = (p * v_s[None, :]).to(qd)
-        vb = tl.load(v_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
-        acc0 = acc0 * alpha[:, None] + tl.dot(
-            p_s, biased_plane(vb, 0, BITS, qd, ASM), input_precision=DOT_PREC
+    tg_row = tile_group_ptr + s.to(tl.int64) * stride_tg
+    if PREFETCH:
+        # Software pipelining by hand: slot ids and groups two tiles ahead, codes and
+        # parameters one tile ahead, so that no load waits on the tile's math.
+        slot_n, ok_n, gid_n = _tile_slots(table_row, tg_row, start, fast_end, end, BLOCK_N)
+        slot_nn, ok_nn, gid_nn = _tile_slots(
+            table_row, tg_row, start + BLOCK_N, fast_end, end, BLOCK_N
         )
-        acc1 = acc1 * alpha[:, None] + tl.dot(
-            p_s, biased_plane(vb, 1, BITS, qd, ASM), input_precision=DOT_PREC
-        )
-        if NPL == 4:
-            acc2 = acc2 * alpha[:, None] + tl.dot(
-                p_s, biased_plane(vb, 2, BITS, qd, ASM), input_precision=DOT_PREC
+        kb, vb, vw, g0, g1, g2, g3 = _tile_loads(
+            k_head, v_head, par_head, group_head, slot_n, ok_n, gid_n,
+            stride_cs, stride_ps, stride_gg, P, NPL,
+        )  # fmt: skip
+        for j in range(start, fast_end, BLOCK_N):
+            ok = ok_n
+            slot_n, ok_n, gid_n = slot_nn, ok_nn, gid_nn
+            slot_nn, ok_nn, gid_nn = _tile_slots(
+                table_row, tg_row, j + 2 * BLOCK_N, fast_end, end, BLOCK_N
             )
-            acc3 = acc3 * alpha[:, None] + tl.dot(
-                p_s, biased_plane(vb, 3, BITS, qd, ASM), input_precision=DOT_PREC
-            )
-        bias_excess = code_bias(qd) * tl.sum(p_s.to(tl.float32), 1)
-        zacc = zacc * alpha + tl.sum(p * v_z[None, :], 1) - bias_excess
+            kb_n, vb_n, vw_n, g0_n, g1_n, g2_n, g3_n = _tile_loads(
+                k_head, v_head, par_head, group_head, slot_n, ok_n, gid_n,
+                stride_cs, stride_ps, stride_gg, P, NPL,
+            )  # fmt: skip
+            m_i, l_i, zacc, acc0, acc1, acc2, acc3 = _sealed_tile(
+                kb, vb, vw, g0, g1, g2, g3, ok, q0, q1, q2, q3, qk_scale,
+                m_i, l_i, zacc, acc0, acc1, acc2, acc3, P, BITS, NPL, qd, DOT_PREC, ASM, KDEQ,
+            )  # fmt: skip
+            kb, vb, vw, g0, g1, g2, g3 = kb_n, vb_n, vw_n, g0_n, g1_n, g2_n, g3_n
+    else:
+        for j in range(start, fast_end, BLOCK_N):
+            slot, ok, gid = _tile_slots(table_row, tg_row, j, fast_end, end, BLOCK_N)
+            kb, vb, vw, g0, g1, g2, g3 = _tile_loads(
+                k_head, v_head, par_head, group_head, slot, ok, gid,
+                stride_cs, stride_ps, stride_gg, P, NPL,
+            )  # fmt: skip
+            m_i, l_i, zacc, acc0, acc1, acc2, acc3 = _sealed_tile(
+                kb, vb, vw, g0, g1, g2, g3, ok, q0, q1, q2, q3, qk_scale,
+                m_i, l_i, zacc, acc0, acc1, acc2, acc3, P, BITS, NPL, qd, DOT_PREC, ASM, KDEQ,
+            )  # fmt: skip
     for j in range(fast_end, end, BLOCK_N):
         valid = (j + offs_n) < end
         slot = tl.load(table_row + j + offs_n, mask=valid, other=0).to(tl.int64)
@@ -311,10 +398,18 @@ def kivi_decode_attention(
     num_warps: int = 2,
     num_stages: int = 3,
     asm_unpack: bool = True,
+    prefetch: bool = False,
+    dequant_keys: bool = False,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole view in KIVI storage;
     writes and returns `out` (equal to the torch reference over `KiviStorage.read`).
-    `block_n` should be the key group size G: the fast loop takes tiles of one group."""
+    `block_n` should be the key group size G: the fast loop takes tiles of one group.
+
+    Two variants of the fast loop, equal in results (tested) and kept for the kernel
+    benchmark (`bench/kivi_kernels.py`) to time against the default: `prefetch` issues
+    each tile's loads one tile ahead (slot ids two ahead) by hand, so that no load waits
+    on the tile's math; `dequant_keys` dequantizes the keys in registers and dots them
+    with the query as loaded, instead of folding the group's scale into the query."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_codes.shape[1]
     if bits not in (2, 4) or k_codes.shape[2] * 8 // bits != head_dim:
@@ -362,6 +457,8 @@ def kivi_decode_attention(
         NUM_SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype),
         ASM=asm_unpack and q.dtype == torch.bfloat16 and q.is_cuda,
+        PREFETCH=prefetch,
+        KDEQ=dequant_keys,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
