@@ -1,5 +1,5 @@
-"""bfloat16 linears on the CPU over oneDNN-packed weights: the results of `F.linear`,
-the parameters and their names unchanged."""
+"""bfloat16 and float32 linears on the CPU over oneDNN-packed weights: the results of
+`F.linear`, the parameters and their names unchanged."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from torch import nn
 
 from sparsevllm import LLM
 from sparsevllm.layers.cpu_linear import PackedLinear, pack_weight, packed_linear, packing_applies
-from sparsevllm.layers.linear import Projections, fuse_projections, pack_linears
+from sparsevllm.layers.linear import (
+    Projections,
+    fuse_projections,
+    pack_linears,
+    unpack_linears,
+)
 
 pytestmark = pytest.mark.skipif(
     not packing_applies(torch.device("cpu"), torch.bfloat16),
@@ -72,13 +77,29 @@ def test_pack_linears_keeps_names_values_and_ties():
         assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=2**-7)
     assert torch.allclose(block.o_proj(got_qk[0]).float(), want_o.float(), rtol=2**-6, atol=2**-6)
     assert torch.allclose(block.lm_head(x).float(), want_head.float(), rtol=2**-7, atol=2**-7)
+    # Unpacked again (what a compiled CPU forward needs): plain linears, the same ties,
+    # names and values, and F.linear's results.
+    unpack_linears(block)
+    assert type(block.o_proj) is nn.Linear and type(block.lm_head) is nn.Linear
+    assert block.qk.packed is None and block.lm_head.weight is block.embed.weight
+    assert all(torch.equal(block.state_dict()[k], before[k]) for k in before)
+    assert torch.equal(block.lm_head(x), want_head)
 
 
-def test_engine_packs_bfloat16_cpu_models_only(tiny_model_factory):
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_packed_float32_linear_matches_f_linear(rows):
+    torch.manual_seed(rows)
+    w, b, x = torch.randn(96, 80) * 0.1, torch.randn(96), torch.randn(rows, 80)
+    got = packed_linear(x, pack_weight(w), b)
+    want = (x.double() @ w.double().T + b.double()).float()
+    # float32 accumulation in another order than MKL's: equal to a few ulps.
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_packs_cpu_models_in_both_dtypes(tiny_model_factory):
     path = tiny_model_factory("llama")
-    bf16 = LLM(path, dtype="bfloat16").engine.runner.model
-    fp32 = LLM(path, dtype="float32").engine.runner.model
-    assert isinstance(bf16.lm_head, PackedLinear)
-    assert bf16.model.layers[0].self_attn.qkv.packed is not None
-    assert type(fp32.lm_head) is nn.Linear
-    assert fp32.model.layers[0].self_attn.qkv.packed is None
+    for dtype in ("bfloat16", "float32"):
+        model = LLM(path, dtype=dtype).engine.runner.model
+        assert isinstance(model.lm_head, PackedLinear), dtype
+        assert model.model.layers[0].self_attn.qkv.packed is not None, dtype

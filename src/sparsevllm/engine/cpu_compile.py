@@ -28,6 +28,7 @@ from torch import nn
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.engine import cpu_linear_op
 from sparsevllm.engine.compiled_attention import attention, step_batch
+from sparsevllm.layers.linear import unpack_linears
 from sparsevllm.layers.mlp import GatedMLP
 from sparsevllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -56,6 +57,9 @@ def with_cpu_compile(
     if choice == "auto" and not (applies and _parameters(model) >= AUTO_MIN_PARAMETERS):
         return model
     assert isinstance(model, LlamaForCausalLM)
+    # The loader packed its linears for eager use; the compiled forward traces plain ones
+    # and picks its own kernel per call (engine/cpu_linear_op.py).
+    unpack_linears(model)
     return CompiledForward(model)
 
 

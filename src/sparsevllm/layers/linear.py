@@ -62,7 +62,7 @@ def fuse_projections(model: nn.Module) -> None:
 
 def pack_linears(model: nn.Module) -> int:
     """Pack (`layers/cpu_linear.py`) every fused `Projections` and every other
-    `nn.Linear` of a loaded, fused bfloat16 model on the CPU; returns how many weights."""
+    `nn.Linear` of a loaded, fused CPU model; returns how many weights."""
     fused: set[int] = set()
     count = 0
     for module in model.modules():
@@ -78,3 +78,21 @@ def pack_linears(model: nn.Module) -> int:
                 setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Undo `pack_linears`: plain `nn.Linear`s over the same weights and no packed
+    copies (a compiled CPU forward traces plain linears; engine/cpu_compile.py)."""
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, Projections):
+                value.packed = None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                plain = nn.Linear(
+                    child.in_features, child.out_features, bias=child.bias is not None,
+                    device="meta",
+                )  # fmt: skip
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
