@@ -170,10 +170,8 @@ def bench(
     configs: list[dict[str, Any]] = [dict(num_splits=None, num_warps=w) for w in (2, 4, 8)]
     configs += [dict(num_splits=None, num_stages=n) for n in (1, 2, 4)]
     configs += [dict(num_splits=n) for n in (2, 4, 8, 16)]
-    configs += [dict(num_splits=None, prefetch=True, num_stages=n) for n in (1, 3)]
     configs += [dict(num_splits=None, asm_unpack=False)]
-    configs += [dict(num_splits=None, dequant_keys=True, num_stages=n) for n in (1, 3)]
-    configs += [dict(num_splits=None, dequant_keys=True, num_warps=4)]
+    configs += [dict(num_splits=None, dequant_keys=False, num_stages=n) for n in (3, 4)]
     results = []
     for cfg in configs:
         ms = median_ms(lambda cfg=cfg: run(**cfg))

@@ -206,7 +206,6 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     NUM_SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ASM: tl.constexpr,
-    PREFETCH: tl.constexpr,
     KDEQ: tl.constexpr,
 ):
     """Program (KV head, s, split): online softmax over one split of the view, its
@@ -254,43 +253,16 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     par_head = v_par_ptr + kvh * stride_ph
     group_head = groups_ptr + kvh * stride_gh
     tg_row = tile_group_ptr + s.to(tl.int64) * stride_tg
-    if PREFETCH:
-        # Software pipelining by hand: slot ids and groups two tiles ahead, codes and
-        # parameters one tile ahead, so that no load waits on the tile's math.
-        slot_n, ok_n, gid_n = _tile_slots(table_row, tg_row, start, fast_end, end, BLOCK_N)
-        slot_nn, ok_nn, gid_nn = _tile_slots(
-            table_row, tg_row, start + BLOCK_N, fast_end, end, BLOCK_N
-        )
+    for j in range(start, fast_end, BLOCK_N):
+        slot, ok, gid = _tile_slots(table_row, tg_row, j, fast_end, end, BLOCK_N)
         kb, vb, vw, g0, g1, g2, g3 = _tile_loads(
-            k_head, v_head, par_head, group_head, slot_n, ok_n, gid_n,
+            k_head, v_head, par_head, group_head, slot, ok, gid,
             stride_cs, stride_ps, stride_gg, P, NPL,
         )  # fmt: skip
-        for j in range(start, fast_end, BLOCK_N):
-            ok = ok_n
-            slot_n, ok_n, gid_n = slot_nn, ok_nn, gid_nn
-            slot_nn, ok_nn, gid_nn = _tile_slots(
-                table_row, tg_row, j + 2 * BLOCK_N, fast_end, end, BLOCK_N
-            )
-            kb_n, vb_n, vw_n, g0_n, g1_n, g2_n, g3_n = _tile_loads(
-                k_head, v_head, par_head, group_head, slot_n, ok_n, gid_n,
-                stride_cs, stride_ps, stride_gg, P, NPL,
-            )  # fmt: skip
-            m_i, l_i, zacc, acc0, acc1, acc2, acc3 = _sealed_tile(
-                kb, vb, vw, g0, g1, g2, g3, ok, q0, q1, q2, q3, qk_scale,
-                m_i, l_i, zacc, acc0, acc1, acc2, acc3, P, BITS, NPL, qd, DOT_PREC, ASM, KDEQ,
-            )  # fmt: skip
-            kb, vb, vw, g0, g1, g2, g3 = kb_n, vb_n, vw_n, g0_n, g1_n, g2_n, g3_n
-    else:
-        for j in range(start, fast_end, BLOCK_N):
-            slot, ok, gid = _tile_slots(table_row, tg_row, j, fast_end, end, BLOCK_N)
-            kb, vb, vw, g0, g1, g2, g3 = _tile_loads(
-                k_head, v_head, par_head, group_head, slot, ok, gid,
-                stride_cs, stride_ps, stride_gg, P, NPL,
-            )  # fmt: skip
-            m_i, l_i, zacc, acc0, acc1, acc2, acc3 = _sealed_tile(
-                kb, vb, vw, g0, g1, g2, g3, ok, q0, q1, q2, q3, qk_scale,
-                m_i, l_i, zacc, acc0, acc1, acc2, acc3, P, BITS, NPL, qd, DOT_PREC, ASM, KDEQ,
-            )  # fmt: skip
+        m_i, l_i, zacc, acc0, acc1, acc2, acc3 = _sealed_tile(
+            kb, vb, vw, g0, g1, g2, g3, ok, q0, q1, q2, q3, qk_scale,
+            m_i, l_i, zacc, acc0, acc1, acc2, acc3, P, BITS, NPL, qd, DOT_PREC, ASM, KDEQ,
+        )  # fmt: skip
     for j in range(fast_end, end, BLOCK_N):
         valid = (j + offs_n) < end
         slot = tl.load(table_row + j + offs_n, mask=valid, other=0).to(tl.int64)
@@ -398,18 +370,16 @@ def kivi_decode_attention(
     num_warps: int = 2,
     num_stages: int = 3,
     asm_unpack: bool = True,
-    prefetch: bool = False,
-    dequant_keys: bool = False,
+    dequant_keys: bool = True,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole view in KIVI storage;
     writes and returns `out` (equal to the torch reference over `KiviStorage.read`).
     `block_n` should be the key group size G: the fast loop takes tiles of one group.
 
-    Two variants of the fast loop, equal in results (tested) and kept for the kernel
-    benchmark (`bench/kivi_kernels.py`) to time against the default: `prefetch` issues
-    each tile's loads one tile ahead (slot ids two ahead) by hand, so that no load waits
-    on the tile's math; `dequant_keys` dequantizes the keys in registers and dots them
-    with the query as loaded, instead of folding the group's scale into the query."""
+    `dequant_keys` (the default) dequantizes a one-group tile's keys in registers and
+    dots them with the query as loaded; False folds the group's scale into the query
+    instead (one more conversion of the query per tile): equal results (tested), 7-8%
+    slower on an H100 at 64 x 8K (`bench/kivi_kernels.py`)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_codes.shape[1]
     if bits not in (2, 4) or k_codes.shape[2] * 8 // bits != head_dim:
@@ -457,7 +427,6 @@ def kivi_decode_attention(
         NUM_SPLITS=num_splits,
         DOT_PREC=dot_precision(q.dtype),
         ASM=asm_unpack and q.dtype == torch.bfloat16 and q.is_cuda,
-        PREFETCH=prefetch,
         KDEQ=dequant_keys,
         num_warps=num_warps,
         num_stages=num_stages,
