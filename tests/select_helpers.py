@@ -7,7 +7,7 @@ import torch
 
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.attention.sparse_step import SparseStep
-from sparsevllm.sparse.base import SeqStep
+from sparsevllm.sparse.base import HeadRanks, SeqStep
 
 HQ, HKV, D = 8, 2, 16
 NO_SINK = {"sink_keep_tokens": 0, "recent_keep_tokens": 0}
@@ -42,6 +42,9 @@ class SlotKV:
 
     def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return self.k[layer][slots]
+
+    def head_ranks(self) -> HeadRanks:
+        return HeadRanks(0, HKV, HKV)  # one rank
 
 
 def make_batch(

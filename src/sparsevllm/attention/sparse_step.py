@@ -75,10 +75,6 @@ class SparseStep:
     # (`query_rows`), and where they go; None: no row asks (a decode graph never does).
     query_rows: list[int] = field(default_factory=list)
     observe_queries: ObserveQueries | None = None
-    # Tensor parallelism: the sum of a tensor over the ranks, each of which holds some
-    # of the model's query heads (`rank_count` of them); None on one rank.
-    rank_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
-    rank_count: int = 1
     scores: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     step_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     # The view length of each row at a step_scores layer: where its probabilities end.
@@ -125,17 +121,19 @@ class SparseStep:
 
     def head_mean(self, per_head: torch.Tensor, dim: int) -> torch.Tensor:
         """The float32 mean over the model's query heads of scores whose `dim` holds
-        this rank's heads: over ranks, each sums its own and the sums are added (every
-        rank gets the same result)."""
-        if self.rank_sum is None:
+        this rank's heads: over tensor-parallel ranks (`kv.head_ranks()`), each sums
+        its own and the sums are added (every rank gets the same result)."""
+        ranks = self.kv.head_ranks()
+        if ranks.reduce is None:
             return per_head.float().mean(dim)
-        total = self.sum_over_ranks(per_head.float().sum(dim))
-        return total / (per_head.shape[dim] * self.rank_count)
+        total = ranks.reduce(per_head.float().sum(dim).contiguous())
+        return total / (per_head.shape[dim] * ranks.size)
 
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         """A rank's partial sum (over its own heads) summed over the ranks: every rank
         gets the same tensor (itself on one rank)."""
-        return partial if self.rank_sum is None else self.rank_sum(partial.contiguous())
+        reduce = self.kv.head_ranks().reduce
+        return partial if reduce is None else reduce(partial.contiguous())
 
     def put_scores(self, layer: int, i: int, value: torch.Tensor) -> None:
         """Sequence i's summed probabilities at `layer`: `[num_heads, L_i]`."""

@@ -75,27 +75,39 @@ class CompressorShard:
             raise ValueError("a compressor shard of some KV heads needs the ranks' sum")
         self.reduce = reduce
         self.cols = head_columns(heads, spec.num_kv_heads, spec.head_dim)
-        self._down: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._up: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # Per layer: the rank's weight part, its bias, and the rest of the map (an MLP's
+        # layers after the first / before the last; None for a linear map).
+        self._down: dict[int, tuple[torch.Tensor, torch.Tensor | None, nn.Module | None]] = {}
+        self._up: dict[int, tuple[torch.Tensor, torch.Tensor | None, nn.Module | None]] = {}
 
     def _param_dtype(self) -> torch.dtype:
         return next(self.compressor.parameters()).dtype
 
-    def down_columns(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The first down linear's weight columns of this rank `[h, C_r]` and its bias."""
+    def up_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last up linear's weight rows of this rank `[C_r, h]` and their bias (the
+        compressor's own on one rank)."""
+        weight, bias, _ = self._up_parts(layer)
+        return weight, bias
+
+    def _down_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, nn.Module | None]:
         if layer not in self._down:
-            first, _ = _first_linear(self.compressor.codec(layer).down_proj)
-            cols = self.cols.to(first.weight.device)
-            self._down[layer] = (first.weight.detach()[:, cols].contiguous(), first.bias)
+            first, rest = _first_linear(self.compressor.codec(layer).down_proj)
+            weight = first.weight.detach()
+            if not self.whole:
+                weight = weight[:, self.cols.to(weight.device)].contiguous()
+            self._down[layer] = (weight, first.bias, rest)
         return self._down[layer]
 
-    def up_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The last up linear's weight rows of this rank `[C_r, h]` and their bias."""
+    def _up_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, nn.Module | None]:
         if layer not in self._up:
-            _, last = _last_linear(self.compressor.codec(layer).up_proj)
-            cols = self.cols.to(last.weight.device)
-            bias = None if last.bias is None else last.bias.detach()[cols].contiguous()
-            self._up[layer] = (last.weight.detach()[cols].contiguous(), bias)
+            head, last = _last_linear(self.compressor.codec(layer).up_proj)
+            weight = last.weight.detach()
+            bias = None if last.bias is None else last.bias.detach()
+            if not self.whole:
+                cols = self.cols.to(weight.device)
+                weight = weight[cols].contiguous()
+                bias = None if bias is None else bias[cols].contiguous()
+            self._up[layer] = (weight, bias, head)
         return self._up[layer]
 
     def compress(self, layer: int, kv: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
@@ -105,13 +117,12 @@ class CompressorShard:
             return self.compressor.compress(layer, kv, centers)
         assert self.reduce is not None
         dtype = self._param_dtype()
-        weight, bias = self.down_columns(layer)
+        weight, bias, rest = self._down_parts(layer)
         base = reference_mean(centers.to(dtype))  # [N, C_r]
         parts = F.linear(torch.stack([kv.to(dtype), base]), weight)  # [2, N, h]
         summed = self.reduce(parts.contiguous())
         if bias is not None:
             summed = summed + bias
-        _, rest = _first_linear(self.compressor.codec(layer).down_proj)
         if rest is not None:
             summed = rest(summed)
         return summed[0] - summed[1]
@@ -122,9 +133,8 @@ class CompressorShard:
         if self.whole:
             return self.compressor.reconstruct(layer, latent, centers)
         dtype = self._param_dtype()
-        head, _ = _last_linear(self.compressor.codec(layer).up_proj)
+        weight, bias, head = self._up_parts(layer)
         hidden = latent.to(dtype) if head is None else head(latent.to(dtype))
-        weight, bias = self.up_rows(layer)
         return F.linear(hidden, weight, bias) + reference_mean(centers.to(dtype))
 
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,6 @@ class DecodeGraphs:
                 # Methods whose decode views are graph-safe compute them inside the graph.
                 select_views=r.metered(r.methods.graph_views(self.method_ids[:size])),
                 capturing=True,
-                rank_sum=r.tp.all_reduce if r.tp.active else None,
-                rank_count=r.tp.size,
             ),
         )
         # As before every eager step: the methods drop their previous step's results (a

@@ -60,9 +60,9 @@ class RunnerKV:
     def head_ranks(self) -> HeadRanks:
         if self.heads is None or not self.tp.active:
             return HeadRanks(0, self.num_kv_heads, self.num_kv_heads)
-        shard = self.heads
+        shard, size = self.heads, self.tp.size
         return HeadRanks(
-            *shard.kv, shard.num_kv_heads, self.tp.all_reduce, shard.num_kv_heads < self.tp.size
+            *shard.kv, shard.num_kv_heads, self.tp.all_reduce, shard.num_kv_heads < size, size
         )
 
     def rope_frequencies(self, layer: int) -> torch.Tensor | None:

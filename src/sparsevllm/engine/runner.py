@@ -393,8 +393,6 @@ class ModelRunner:
                 select_views=self.metered(methods.select_views(t.methods)),
                 query_rows=query_rows,
                 observe_queries=methods.query_observer(steps, query_rows),
-                rank_sum=self.tp.all_reduce if self.tp.active else None,
-                rank_count=self.tp.size,
             ),
         )
         methods.begin_step(batch)

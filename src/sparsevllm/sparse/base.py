@@ -141,15 +141,17 @@ class MethodSettings(Protocol):
 @dataclass(frozen=True)
 class HeadRanks:
     """Where this process's KV heads sit among the model's under tensor parallelism:
-    heads `[start, stop)` of `total`, and `reduce`, the sum of a tensor over the ranks
-    (in place; None on one rank). `shared`: ranks replicate KV heads (more ranks than
-    KV heads), so a sum over ranks counts a head more than once."""
+    heads `[start, stop)` of `total`, the `size` ranks (each with `1 / size` of the
+    query heads), and `reduce`, the sum of a tensor over them (in place; None on one
+    rank). `shared`: ranks replicate KV heads (more ranks than KV heads), so a sum over
+    ranks counts a head more than once."""
 
     start: int
     stop: int
     total: int
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     shared: bool = False
+    size: int = 1
 
 
 class KVAccess(Protocol):

@@ -12,12 +12,13 @@ Two loops over a split, each without branches (so Triton pipelines their loads):
 
 * the fast loop, over the view's leading tiles whose every entry is sealed in one key
   group (a view sealed in order, G tokens to a group, with BLOCK_N = G; a first small
-  kernel finds, per sequence, where that run of tiles ends). Keys fold the group's
-  per-channel scale into the query, `q . (c * s + z) = (q * s) . c + q . z`; values
-  fold their per-token scale into the probabilities and their zero points into one
-  per-row sum. Codes enter the dots as `bias + code`, built from bits (bf16 128 + c,
-  fp16 1024 + c) without int-to-float conversion; the bias's excess is subtracted once
-  per row;
+  kernel finds, per sequence, where that run of tiles ends). Keys are dequantized in
+  registers with the group's per-channel parameters and dotted with the query as
+  loaded (`dequant_keys`; or the scale folds into the query,
+  `q . (c * s + z) = (q * s) . c + q . z`); values fold their per-token scale into the
+  probabilities and their zero points into one per-row sum. Codes come out of their
+  bytes as `bias + code` (bf16 128 + c, fp16 1024 + c) without int-to-float conversion;
+  in the value dots the bias's excess is subtracted once per row;
 * the general loop, over the rest (residual rows, tiles spanning groups, re-grouped
   entries): each entry dequantized with its own group's parameters or read in full
   precision.
@@ -39,7 +40,6 @@ from sparsevllm.attention.triton.kivi_planes import (
     any_plane,
     biased_plane,
     code_bias,
-    dequant_plane_qk,
     halves,
     sealed_plane_qk,
 )
@@ -53,18 +53,6 @@ def _softmax_step(qk, m_i, l_i):  # type: ignore[no-untyped-def]
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _tile_slots(table_row, tg_row, j, fast_end, end, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The slots of the fast-loop tile at `j` `[BLOCK_N]` (0 where masked), which of its
-    entries count, and its key group (0 past the fast loop's end)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    in_loop = j < fast_end
-    ok = ((j + offs_n) < end) & in_loop
-    slot = tl.load(table_row + j + offs_n, mask=ok, other=0).to(tl.int64)
-    gid = tl.load(tg_row + j // BLOCK_N, mask=in_loop, other=0).to(tl.int64)
-    return slot, ok, gid
 
 
 @triton.jit
@@ -96,21 +84,14 @@ def _sealed_tile(  # type: ignore[no-untyped-def]
     P: tl.constexpr, BITS: tl.constexpr, NPL: tl.constexpr, qd: tl.constexpr,
     DOT_PREC: tl.constexpr, ASM: tl.constexpr, KDEQ: tl.constexpr,
 ):  # fmt: skip
-    """One tile sealed in one key group folded into the online softmax: keys fold the
-    group's scale into the query, values their scale into the probabilities and their
-    zero points into `zacc` (module docstring)."""
-    if KDEQ:
-        qk = dequant_plane_qk(kb, g0, q0, 0, P, BITS, qd, DOT_PREC, ASM)  # [BLOCK_G, BLOCK_N]
-        qk += dequant_plane_qk(kb, g1, q1, 1, P, BITS, qd, DOT_PREC, ASM)
-        if NPL == 4:
-            qk += dequant_plane_qk(kb, g2, q2, 2, P, BITS, qd, DOT_PREC, ASM)
-            qk += dequant_plane_qk(kb, g3, q3, 3, P, BITS, qd, DOT_PREC, ASM)
-    else:
-        qk = sealed_plane_qk(kb, g0, q0, 0, P, BITS, qd, DOT_PREC, ASM)
-        qk += sealed_plane_qk(kb, g1, q1, 1, P, BITS, qd, DOT_PREC, ASM)
-        if NPL == 4:
-            qk += sealed_plane_qk(kb, g2, q2, 2, P, BITS, qd, DOT_PREC, ASM)
-            qk += sealed_plane_qk(kb, g3, q3, 3, P, BITS, qd, DOT_PREC, ASM)
+    """One tile sealed in one key group folded into the online softmax: keys dequantized
+    with the group's parameters (or the group's scale folded into the query), values'
+    scales folded into the probabilities and their zero points into `zacc`."""
+    qk = sealed_plane_qk(kb, g0, q0, 0, P, BITS, qd, DOT_PREC, ASM, KDEQ)  # [BLOCK_G, BLOCK_N]
+    qk += sealed_plane_qk(kb, g1, q1, 1, P, BITS, qd, DOT_PREC, ASM, KDEQ)
+    if NPL == 4:
+        qk += sealed_plane_qk(kb, g2, q2, 2, P, BITS, qd, DOT_PREC, ASM, KDEQ)
+        qk += sealed_plane_qk(kb, g3, q3, 3, P, BITS, qd, DOT_PREC, ASM, KDEQ)
     qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
     p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
     v_s, v_z = halves(vw)
@@ -254,7 +235,9 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     group_head = groups_ptr + kvh * stride_gh
     tg_row = tile_group_ptr + s.to(tl.int64) * stride_tg
     for j in range(start, fast_end, BLOCK_N):
-        slot, ok, gid = _tile_slots(table_row, tg_row, j, fast_end, end, BLOCK_N)
+        ok = (j + offs_n) < end
+        slot = tl.load(table_row + j + offs_n, mask=ok, other=0).to(tl.int64)
+        gid = tl.load(tg_row + j // BLOCK_N).to(tl.int64)
         kb, vb, vw, g0, g1, g2, g3 = _tile_loads(
             k_head, v_head, par_head, group_head, slot, ok, gid,
             stride_cs, stride_ps, stride_gg, P, NPL,

@@ -105,36 +105,23 @@ def sealed_plane_qk(  # type: ignore[no-untyped-def]
     DT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ASM: tl.constexpr,
+    KDEQ: tl.constexpr,
 ):
-    """Plane b's share of a one-group tile's logits `[BLOCK_G, BLOCK_N]`: the dot of the
-    scaled query channels with `bias + code`, less the bias's excess, plus `q . z`.
-    `gw` `[P]` int32: the group's (scale, zero) pairs of plane b's channels."""
+    """Plane b's share of a one-group tile's logits `[BLOCK_G, BLOCK_N]`; `gw` `[P]`
+    int32: the group's (scale, zero) pairs of plane b's channels. `KDEQ`: the keys
+    dequantized in registers (`(bias + code) * s + (z - bias * s)`, rounded to DT) and
+    dotted with the query as loaded, whose operand is the same every tile; else the dot
+    of the scaled query channels with `bias + code`, less the bias's excess, plus
+    `q . z`."""
     s, z = halves(gw)  # [P] the group's parameters
+    if KDEQ:
+        zb = z - code_bias(DT) * s
+        k = biased_plane(kb, b, BITS, DT, ASM).to(tl.float32) * s[None, :] + zb[None, :]
+        return tl.dot(q_b.to(DT), tl.trans(k.to(DT)), input_precision=DOT_PREC)
     q_s = (q_b * s[None, :]).to(DT)  # [BLOCK_G, P]
     qk = tl.dot(q_s, tl.trans(biased_plane(kb, b, BITS, DT, ASM)), input_precision=DOT_PREC)
     corr = tl.sum(q_s.to(tl.float32) * code_bias(DT) - q_b * z[None, :], 1)  # [BLOCK_G]
     return qk - corr[:, None]
-
-
-@triton.jit
-def dequant_plane_qk(  # type: ignore[no-untyped-def]
-    kb,
-    gw,
-    q_b,
-    b: tl.constexpr,
-    P: tl.constexpr,
-    BITS: tl.constexpr,
-    DT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """Plane b's share of a one-group tile's logits `[BLOCK_G, BLOCK_N]`, the keys
-    dequantized in registers (`(bias + code) * s + (z - bias * s)`, rounded to DT) and
-    dotted with the query as loaded: the query's operand stays the same every tile."""
-    s, z = halves(gw)  # [P]
-    zb = z - code_bias(DT) * s
-    k = biased_plane(kb, b, BITS, DT, ASM).to(tl.float32) * s[None, :] + zb[None, :]
-    return tl.dot(q_b.to(DT), tl.trans(k.to(DT)), input_precision=DOT_PREC)
 
 
 @triton.jit
