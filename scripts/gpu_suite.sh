@@ -54,10 +54,11 @@ quality_formats() {
 quality_prefill() {
   # Issue 22 item 2: sparse prefill (vertical_slash in Gemma-3-270M's global layers, from
   # views of 1,024 tokens on) against dense prefill, vanilla decode, niah_single and
-  # niah_multikey, 4K and 16K, 20 samples; one report per length and prefill.
+  # niah_multikey, 4K and 16K, 20 samples; one report per length and prefill
+  # (QP_LENGTHS, QP_CONFIGS: docs/quality/prefill_sparse/config_<name>.json, or off).
   [ -f /tmp/g/gemma-3-270m-q4_k_m.gguf ] || cat /tmp/g/part0* > /tmp/g/gemma-3-270m-q4_k_m.gguf
   for len in ${QP_LENGTHS:-4096 16384}; do
-    for p in off vertical_slash; do
+    for p in ${QP_CONFIGS:-off vertical_slash vertical_slash_tight}; do
       cfg=""
       [ "$p" = off ] || cfg="--config docs/quality/prefill_sparse/config_$p.json"
       PYTHONPATH=src:/tmp/site python -m sparsevllm.cli bench quality \

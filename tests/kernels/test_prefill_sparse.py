@@ -153,6 +153,23 @@ def test_estimated_selection_through_the_kernel():
     assert sp.density(counts[0][0].cpu(), 80, 140, cfg) < 0.9  # it did skip blocks
 
 
+@pytest.mark.parametrize("heads,q_len", [((4, 1), 5), ((4, 1), 16), ((4, 2), 16)])
+def test_short_last_chunk_over_a_long_view(heads, q_len):
+    # A prompt's short last chunk after full-size ones, one KV head (Gemma-3-270M): the
+    # estimated count is [1, 1], a view of the selection's cumulative sums whose size-1
+    # last dimension keeps a stride other than 1, which the launcher must accept (the
+    # H100 quality run at 4K failed there).
+    cfg = sp.PrefillSparsity(1, 2, 1, 4, block_m=16, block_n=16)
+
+    def lists(q, k_cache, table_row):
+        mass = block_mass(q[-cfg.last_q :], k_cache, table_row, 200 + q_len, 0.2, cfg.block_n)
+        count, index = sp.select_blocks(mass, q.shape[0], 200 + q_len, cfg)
+        assert count.shape == (heads[1], 1)
+        return count, index
+
+    check_kernel(heads, 200, q_len, 16, 16, torch.float32, lists)
+
+
 def test_engine_sparse_prefill_matches_the_reference_backend(tiny_model_factory, monkeypatch):
     """The Triton backend in the engine (estimation pass, selection, sparse kernel, the
     dense kernel for the batch's other sequence) gives the torch backend's tokens."""

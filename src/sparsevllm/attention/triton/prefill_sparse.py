@@ -161,7 +161,9 @@ def prefill_sparse_attention(
             f"block_count {tuple(block_count.shape)} / block_index {tuple(block_index.shape)} "
             f"do not match {num_kv_heads} KV heads x {num_qb} query blocks"
         )
-    if block_index.stride(-1) != 1 or block_count.stride(-1) != 1:
+    # A size-1 last dimension is never stepped along, whatever its stride (one KV head
+    # and one query block give a [1, 1] count that is a view of the selection's sums).
+    if any(t.shape[-1] > 1 and t.stride(-1) != 1 for t in (block_count, block_index)):
         raise ValueError("block_count and block_index need a unit-stride last dimension")
     for name, size in (("block_m", block_m), ("block_n", block_n)):
         # tl.dot needs every operand dimension >= 16 (P @ V contracts over block_n).
