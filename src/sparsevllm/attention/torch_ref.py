@@ -335,10 +335,12 @@ def attention_mass(
     q: [r, Hq, D]; k: [L, Hkv, D]. Computed in float32. Keys outside a sliding
     `window` get zero mass.
     """
-    r, hq, _ = q.shape
+    r, hq, d = q.shape
     hkv = k.shape[1]
-    kk = k.float().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
-    logits = torch.einsum("rhd,lhd->hrl", q.float(), kk) * scale  # [Hq, r, L]
-    mask = causal_mask(r, k.shape[0], q.device, window)
-    logits = logits.masked_fill(~mask, float("-inf"))
+    # Query heads grouped under their KV head: the keys are read once per KV head, not
+    # copied to every query head (a [32K, 32, 128] float32 copy is 512 MiB).
+    qg = q.float().view(r, hkv, hq // hkv, d)  # [r, Hkv, G, D]
+    logits = torch.einsum("rkgd,lkd->kgrl", qg, k.float()).reshape(hq, r, -1) * scale
+    mask = causal_mask(r, k.shape[0], q.device, window)  # [r, L]
+    logits = logits.masked_fill(~mask, float("-inf"))  # [Hq, r, L]
     return logits.softmax(dim=-1).sum(dim=1)

@@ -69,7 +69,9 @@ class SnapKV(ScoreEviction):
         layers: Sequence[int] | None = None,
     ) -> None:
         super().__init__(config, num_layers, num_kv_heads, layers)
-        # seq_id -> layer -> [num_heads, L] window attention summed so far
+        # seq_id -> layer -> [num_kv_heads, L] window attention summed so far, averaged
+        # over each KV head's query heads as it arrives (the votes average them anyway),
+        # so a step of many prompt ends holds a quarter of the rows (Llama-3-8B's GQA)
         self._window: dict[int, dict[int, torch.Tensor]] = {}
 
     def in_window(self, step: SeqStep) -> bool:
@@ -96,7 +98,8 @@ class SnapKV(ScoreEviction):
             for layer, rows in scores.items():
                 attn = rows[step.row]  # [num_heads, L] of this chunk's window queries
                 if attn is not None:
-                    acc[layer] = add_padded(acc.get(layer), attn)
+                    votes = gqa_mean(attn.float(), self.num_kv_heads)  # [num_kv_heads, L]
+                    acc[layer] = add_padded(acc.get(layer), votes)
         super().after_step(steps, scores, kv)
         for step in steps:
             if step.finishes_prompt:
@@ -106,7 +109,7 @@ class SnapKV(ScoreEviction):
         self, layer: int, step: SeqStep, kv: KVAccess, attn: torch.Tensor | None
     ) -> torch.Tensor:
         if self.in_window(step):
-            votes = self._window[step.seq_id][layer]  # [num_heads, L]
+            votes = self._window[step.seq_id][layer]  # [num_kv_heads, L]
         else:  # a bounded chunk before the window: its moving window's rows
             assert attn is not None, "a bounded chunk is cut with the scores it asked for"
             votes = attn  # [num_heads, L]
