@@ -73,7 +73,8 @@ FIELD_HELP: dict[str, str] = {
     "enforce_eager": "Disable CUDA-graph capture of the decode step.",
     "cpu_compile": "CPU only: run each decoder layer as one torch.compile'd (Inductor C++) "
     "function: off (the default: a first start would pay about 80 s of compilation on 2 "
-    "cores), auto (for a float32 Llama-family model of at least 50M parameters), or on.",
+    "cores), auto (for a float32 or bfloat16 Llama-family model of at least 50M parameters; "
+    "bfloat16 where oneDNN packs bfloat16 weights), or on.",
     "measure_kv_reads": "Count the KV slots decode steps read (bench throughput's roofline; "
     "a few small device operations per layer for methods that select decode views).",
     "async_scheduling": "Overlap the host's per-step work with the device: launch the next "

@@ -8,8 +8,9 @@ operator, engine/compiled_attention.py) and a few fused kernels.
 
 The compiled function is the Llama family's decoder stack (Llama, SmolLM2, Qwen2/3),
 written from the model's own modules and parameters (the same operations as
-models/llama.py in float32; Inductor may round differently in the last bits). Other
-architectures and CUDA run the eager model. Inductor caches what it compiles on disk
+models/llama.py, in float32 or bfloat16: norms and RoPE in float32, cast back as the
+eager layers do; Inductor may round differently in the last bits). Other architectures
+and CUDA run the eager model. Inductor caches what it compiles on disk
 (`TORCHINDUCTOR_CACHE_DIR`, by default under /tmp), so only a first start pays the
 compilation; Dynamo traces again in every process.
 """
@@ -28,6 +29,7 @@ from torch import nn
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.engine import cpu_linear_op
 from sparsevllm.engine.compiled_attention import attention, step_batch
+from sparsevllm.layers.cpu_linear import packing_applies
 from sparsevllm.layers.linear import unpack_linears
 from sparsevllm.layers.mlp import GatedMLP
 from sparsevllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -51,8 +53,8 @@ def with_cpu_compile(
     applies = compile_applies(model, dtype)
     if choice == "on" and not applies:
         raise ValueError(
-            "cpu_compile='on' serves float32 dense Llama-family models (Llama, SmolLM2, "
-            f"Qwen2/3) on the CPU, not {type(model).__name__} in {dtype}"
+            "cpu_compile='on' serves float32 or bfloat16 dense Llama-family models (Llama, "
+            f"SmolLM2, Qwen2/3) on the CPU, not {type(model).__name__} in {dtype}"
         )
     if choice == "auto" and not (applies and _parameters(model) >= AUTO_MIN_PARAMETERS):
         return model
@@ -65,8 +67,14 @@ def with_cpu_compile(
 
 def compile_applies(model: nn.Module, dtype: torch.dtype) -> bool:
     """Whether the compiled forward serves this CPU model: a dense Llama-family model in
-    float32 (bfloat16 runs packed oneDNN linears, which Inductor cannot trace)."""
-    if dtype != torch.float32 or not isinstance(model, LlamaForCausalLM):
+    float32, or in bfloat16 where oneDNN packs bfloat16 weights (the compiled layers
+    call the packed GEMMs through an opaque operator; unpacked bfloat16 `F.linear`
+    reorders the weight on every call)."""
+    if not isinstance(model, LlamaForCausalLM):
+        return False
+    if dtype != torch.float32 and not (
+        dtype == torch.bfloat16 and packing_applies(torch.device("cpu"), dtype)
+    ):
         return False
     if type(model).decoder_layer is not LlamaDecoderLayer:  # MoE families
         return False
@@ -204,32 +212,38 @@ def _decoder_layer(
     """LlamaDecoderLayer.forward (models/llama.py) as plain tensor code: x `[T, hidden]`,
     cos/sin `[T, 1, D/2]`; attention through the custom operator."""
     t = x.shape[0]
-    h = w.input_norm * F.rms_norm(x, x.shape[-1:], eps=s.eps)
+    h = _rms_norm(x, w.input_norm, s.eps)
     q, k, v = _linear(h, w.qkv, w.qkv_bias).split(s.qkv_sizes, dim=-1)
     q = q.reshape(t, s.num_heads, s.head_dim)
     k = k.reshape(t, s.num_kv_heads, s.head_dim)
     v = v.reshape(t, s.num_kv_heads, s.head_dim)
     if w.q_norm is not None and w.k_norm is not None:
-        q = w.q_norm * F.rms_norm(q, q.shape[-1:], eps=s.eps)
-        k = w.k_norm * F.rms_norm(k, k.shape[-1:], eps=s.eps)
+        q = _rms_norm(q, w.q_norm, s.eps)
+        k = _rms_norm(k, w.k_norm, s.eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     o = attention(q, k, v, w.layer_index, s.scale)  # [T, Hq, D]
     x = x + _linear(o.reshape(t, -1), w.o, w.o_bias)
-    h = w.post_norm * F.rms_norm(x, x.shape[-1:], eps=s.eps)
+    h = _rms_norm(x, w.post_norm, s.eps)
     gate, up = _linear(h, w.gate_up, w.gate_up_bias).split(s.intermediate, dim=-1)
     return x + _linear(s.act(gate) * up, w.down, w.down_bias)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x `[T, in]` -> `[T, out]`. One token: `F.linear` (Inductor calls MKL's GEMV, and
-    fuses a residual add into it); more: the row-count dispatch of engine/cpu_linear_op.py
-    (Dynamo specialises T == 1, so each graph holds one of the two)."""
-    if x.shape[0] == 1:
+    """x `[T, in]` -> `[T, out]`. One float32 token: `F.linear` (Inductor calls MKL's
+    GEMV, and fuses a residual add into it); otherwise the packed dispatch of
+    engine/cpu_linear_op.py (Dynamo specialises T == 1, so each graph holds one of the
+    two; bfloat16 reads the packed weight at every row count)."""
+    if x.shape[0] == 1 and x.dtype == torch.float32:
         return F.linear(x, weight, bias)
     return cast(torch.Tensor, cpu_linear_op.linear(x, weight, bias))
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers/norm.py's RMSNorm: normalised in float32, cast back, then scaled."""
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (layers/rotary.py): x `[T, H, D]`, cos/sin `[T, 1, D/2]`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x.float().chunk(2, dim=-1)  # in float32, as layers/rotary.py
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

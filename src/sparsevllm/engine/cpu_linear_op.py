@@ -1,11 +1,13 @@
-"""float32 CPU linears by row count: MKL's GEMV for a few rows, oneDNN's packed GEMM for more.
+"""CPU linears of a compiled forward: float32 by row count (MKL's GEMV for a few rows,
+oneDNN's packed GEMM for more), bfloat16 always over the packed weight.
 
 `F.linear` in float32 on the CPU is MKL's sgemm. On the AMD EPYC (Zen 1, AVX2) the
 engine was measured on, it ran 16-row products at 4-11 GFLOPS and the 16-row LM head at
 half oneDNN's speed over a weight reordered once into oneDNN's blocked layout
 (`layers/cpu_linear.py`'s packing, which bfloat16 models already use); at one row MKL was
 as fast or faster. So a compiled model keeps both forms of its weights (`PackedWeights`)
-and each call picks by rows.
+and each float32 call picks by rows. bfloat16 `F.linear` reorders the plain weight on
+every call (layers/cpu_linear.py), so bfloat16 calls always take the packed form.
 It is one custom operator (`torch.ops.sparsevllm.linear`), so a compiled graph
 (engine/cpu_compile.py) calls it as one node: Inductor cannot trace an opaque packed
 weight, and the packed form is found from the dense weight it is given.
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from sparsevllm.layers.cpu_linear import pack_weight, packed_linear
 
-# Rows from which the packed oneDNN GEMM is used (fewer: MKL's, through F.linear).
+# Rows from which a float32 call uses the packed oneDNN GEMM (fewer: MKL's, F.linear).
 PACKED_MIN_ROWS = 4
 
 
@@ -35,7 +37,7 @@ class PackedWeights:
         self._packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
 
     def add(self, weight: torch.Tensor) -> None:
-        """Keep `weight` `[out, in]` (float32, CPU) also in oneDNN's layout."""
+        """Keep `weight` `[out, in]` (float32 or bfloat16, CPU) also in oneDNN's layout."""
         key = (weight.data_ptr(), tuple(weight.shape))
         if key not in self._packed:
             self._packed[key] = pack_weight(weight)
@@ -58,10 +60,11 @@ _active: list[PackedWeights] = []
 
 @torch.library.custom_op("sparsevllm::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, x `[N, in]` -> `[N, out]`, by the packed weight from
-    PACKED_MIN_ROWS rows when the active PackedWeights holds one for `weight`."""
+    """`F.linear(x, weight, bias)`, x `[N, in]` -> `[N, out]`, by the packed weight when
+    the active PackedWeights holds one for `weight` (float32: from PACKED_MIN_ROWS rows)."""
     packed = _active[-1].get(weight) if _active else None
-    if packed is None or x.shape[0] < PACKED_MIN_ROWS:
+    few = x.dtype == torch.float32 and x.shape[0] < PACKED_MIN_ROWS
+    if packed is None or few:
         return F.linear(x, weight, bias)
     return packed_linear(x.contiguous(), packed, bias)
 
