@@ -57,7 +57,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -143,13 +142,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def import_kvpress() -> tuple[type, Any]:
     """(TOVAPress, compute_n_kept), without running kvpress/__init__.py (it imports every
     press and their optional dependencies)."""
-    if "kvpress" not in sys.modules:
-        spec = importlib.util.find_spec("kvpress")
-        if spec is None or not spec.submodule_search_locations:
-            raise SystemExit("kvpress is not importable: check --kvpress-site")
-        pkg = types.ModuleType("kvpress")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        sys.modules["kvpress"] = pkg
+    # The project's kvpress worker, loaded by path: the child never imports sparsevllm.
+    path = Path(__file__).resolve().parents[1] / "src/sparsevllm/bench/kvpress_worker.py"
+    spec = importlib.util.spec_from_file_location("kvpress_worker", path)
+    assert spec is not None and spec.loader is not None
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    worker.bare_kvpress_package()
     tova = importlib.import_module("kvpress.presses.tova_press")
     utils = importlib.import_module("kvpress.utils")
     return tova.TOVAPress, utils.compute_n_kept

@@ -35,9 +35,9 @@ PRESSES = {
 }
 
 
-def load_press_class(method: str) -> type:
-    """The press class, imported without running `kvpress/__init__.py`, which imports
-    every press and with them optional dependencies (datasets, fire, ...)."""
+def bare_kvpress_package() -> None:
+    """Make `kvpress.*` submodules importable without running `kvpress/__init__.py`, which
+    imports every press and with them optional dependencies (datasets, fire, ...)."""
     if "kvpress" not in sys.modules:
         spec = importlib.util.find_spec("kvpress")
         if spec is None or not spec.submodule_search_locations:
@@ -45,6 +45,11 @@ def load_press_class(method: str) -> type:
         pkg = types.ModuleType("kvpress")
         pkg.__path__ = list(spec.submodule_search_locations)
         sys.modules["kvpress"] = pkg
+
+
+def load_press_class(method: str) -> type:
+    """The press class (through `bare_kvpress_package`)."""
+    bare_kvpress_package()
     module, cls = PRESSES[method]
     return getattr(importlib.import_module(f"kvpress.presses.{module}"), cls)
 

@@ -165,7 +165,7 @@ class CompiledForward:
         """Logits `[S, vocab]` of hidden states `[S, hidden]` (the LM head by rows too)."""
         head = self.model.lm_head
         with self.packed.active():
-            return cast(torch.Tensor, cpu_linear_op.linear(hidden, head.weight, head.bias))
+            return cpu_linear_op.linear(hidden, head.weight, head.bias)
 
     def __getattr__(self, name: str) -> object:
         # Everything else (rope_frequencies, sliding_window_layers, ...) is the model's.
@@ -235,7 +235,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     two; bfloat16 reads the packed weight at every row count)."""
     if x.shape[0] == 1 and x.dtype == torch.float32:
         return F.linear(x, weight, bias)
-    return cast(torch.Tensor, cpu_linear_op.linear(x, weight, bias))
+    return cpu_linear_op.linear(x, weight, bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
