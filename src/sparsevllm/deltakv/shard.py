@@ -35,14 +35,21 @@ def head_columns(heads: tuple[int, int], num_kv_heads: int, head_dim: int) -> to
     return torch.cat([k, k + num_kv_heads * head_dim])
 
 
+def _mlp_layers(m: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """An MLP map's (fc_in, act, fc_out)."""
+    assert isinstance(m, nn.Sequential)
+    first, act, last = m.fc_in, m.act, m.fc_out
+    assert isinstance(first, nn.Module) and isinstance(act, nn.Module)
+    assert isinstance(last, nn.Module)
+    return first, act, last
+
+
 def _first_linear(down: nn.Module) -> tuple[nn.Linear, nn.Module | None]:
     """A down map's first linear layer, and what follows it (None: nothing)."""
     if isinstance(down, nn.Linear):
         return down, None
-    assert isinstance(down, nn.Sequential)
-    first, act, out = down.fc_in, down.act, down.fc_out
-    assert isinstance(first, nn.Linear) and isinstance(act, nn.Module)
-    assert isinstance(out, nn.Module)
+    first, act, out = _mlp_layers(down)
+    assert isinstance(first, nn.Linear)
     return first, nn.Sequential(act, out)
 
 
@@ -50,9 +57,7 @@ def _last_linear(up: nn.Module) -> tuple[nn.Module | None, nn.Linear]:
     """An up map's last linear layer, and what precedes it (None: nothing)."""
     if isinstance(up, nn.Linear):
         return None, up
-    assert isinstance(up, nn.Sequential)
-    first, act, last = up.fc_in, up.act, up.fc_out
-    assert isinstance(first, nn.Module) and isinstance(act, nn.Module)
+    first, act, last = _mlp_layers(up)
     assert isinstance(last, nn.Linear)
     return nn.Sequential(first, act), last
 

@@ -99,7 +99,8 @@ class SnapKV(ScoreEviction):
                 attn = rows[step.row]  # [num_heads, L] of this chunk's window queries
                 if attn is not None:
                     votes = gqa_mean(attn.float(), self.num_kv_heads)  # [num_kv_heads, L]
-                    acc[layer] = add_padded(acc.get(layer), votes)
+                    prev = acc.get(layer)  # votes is a new tensor: kept as it is
+                    acc[layer] = votes if prev is None else add_padded(prev, votes)
         super().after_step(steps, scores, kv)
         for step in steps:
             if step.finishes_prompt:
