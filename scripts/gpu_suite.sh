@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repository root:  bash scripts/gpu_suite.sh PART
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
 #          gguf-part | quality | quality-rerun | quality-modes | quality-formats | quality-prefill | formats-kernels | formats-throughput |
-#          capacity-methods | formats-capacity | million | mla | deltakv-throughput |
+#          capacity-methods | formats-capacity | kivi-graphs | million | mla | deltakv-throughput |
 #          deltakv-quality | tp
 #   (several parts: run them one after another)
 set -u
@@ -258,6 +258,27 @@ PY
         $M --prompt-len 32768 --output-len 32 --max-model-len 32896 --batch-size 256 \
            --decode-capacity --max-num-seqs 256 --sparse-method snapkv --decode-keep-tokens 2048 \
            --kv-cache-dtype $f --json "$OUT/formats_32k_snapkv_${f}_b256_cap.json" | tail -3
+      done ;;
+    kivi-graphs)
+      # Issue 15 item 4: KIVI decode steps captured in CUDA graphs (the store without host
+      # syncs). The KIVI tests, then SnapKV (2,048) at batch 200 and vanilla at its largest
+      # batch (max_num_seqs 64), int4 beside bf16 in the same call. KG_TESTS=0 skips the
+      # tests, KG_RUNS picks runs (snapkv_int4 snapkv_auto vanilla_int4 vanilla_auto).
+      ls .whl2/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl2/*.whl
+      [ "${KG_TESTS:-1}" = 1 ] && python -m pytest -q tests/gpu/test_kivi_cuda.py tests/kernels/test_kivi_decode.py \
+         tests/gpu/test_kv_formats_cuda.py tests/gpu/test_engine_cuda.py tests/gpu/test_overlap_cuda.py \
+         tests/gpu/test_mixed_methods_cuda.py 2>&1 | tail -8
+      S="--sparse-method snapkv --decode-keep-tokens 2048"
+      for r in ${KG_RUNS:-snapkv_int4 snapkv_auto vanilla_int4 vanilla_auto}; do
+        f=${r#*_}
+        case $r in
+          snapkv_*) args="--batch-size 200 --max-num-seqs 200 $S" ;;
+          vanilla_*) args="--max-batch --max-num-seqs 64" ;;
+        esac
+        timeout ${KG_RUN_S:-200} $M --prompt-len 32768 --output-len 32 --max-model-len 32896 \
+           --decode-capacity $args --kv-cache-dtype $f --json "$OUT/graphs_$r.json" > "$OUT/graphs_$r.log" 2>&1 ||
+          { echo "failed: $r"; tail -3 "$OUT/graphs_$r.log"; }
+        grep -hE '"(batch_size|decode_tokens_per_s|time_per_output_token_s|roofline_step_s)"' "$OUT/graphs_$r.json"
       done ;;
     million)
       # Issue 22 item 3: a 1M-token prompt under SnapKV with bounded prefill (KV at most

@@ -52,7 +52,7 @@ def test_kivi_layers_decode_through_the_kivi_kernel(tiny_model_factory, method, 
     monkeypatch.setattr(runner_module, "default_backend_name", lambda device: "triton")
     llm = LLM(model, device=DEVICE.type, kv_cache_memory_gb=0.05, **kwargs)
     assert llm.engine.runner.backend.name == "triton"
-    assert not llm.engine.runner.backend.graph_safe
+    assert llm.engine.runner.backend.decode_captures(frozenset())  # no host sync
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert calls and max(calls) > 2 * 16  # decode steps over sealed groups
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

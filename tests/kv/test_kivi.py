@@ -162,3 +162,21 @@ def test_bytes_per_slot_count_codes_parameters_and_amortised_groups():
     assert storage.bytes_per_slot() == get_format("int4").sized(
         FormatSizing(G, 8, 2, 48, 0)
     ).bytes_per_slot(HKV, D, torch.bfloat16)
+
+
+def test_padded_store_rows_are_not_stored_and_take_no_residual_row():
+    """A captured decode batch pads its rows with slot -1: those rows leave every slot,
+    the residual rows and the key groups as a store of the real rows alone would."""
+    padded, plain = make("int4"), make("int4")
+    k, v = random_kv(4, 7), random_kv(4, 8)
+    slots = torch.tensor([3, -1, 9, -1])
+    padded.store(k, v, slots)
+    plain.store(k[[0, 2]], v[[0, 2]], slots[[0, 2]])
+    for name, buf in padded.buffers().items():
+        assert torch.equal(buf, plain.buffers()[name]), name
+    assert free_state(padded) == free_state(plain) == (padded.kivi.residual_rows - 2, 0)
+    assert all(
+        torch.equal(a, b) for a, b in zip(padded.read(slots[[0, 2]]), (k[[0, 2]], v[[0, 2]]))
+    )
+    padded.store(k[:2], v[:2], torch.tensor([3, -1]))  # overwriting slot 3 frees its row
+    assert free_state(padded) == (padded.kivi.residual_rows - 2, 0)

@@ -140,6 +140,9 @@ class AttentionBackend(abc.ABC):
     # Whether a decode step through this backend can be captured in a CUDA graph (a
     # backend may decide per instance, from the storage it serves).
     graph_safe: bool = True
+    # Whether a captured decode step may also compute methods' selected views and scores
+    # (DecodeViews.GRAPH methods): False where some layer serves those on the host.
+    graph_views_safe: bool = True
 
     def __init__(
         self, storage: list[KVStorage], prefill_sparsity: PrefillSparsity | None = None
@@ -147,6 +150,11 @@ class AttentionBackend(abc.ABC):
         self.storage = storage  # per layer
         # Block-sparse prefill (attention/sparse_prefill.py); None: every chunk dense.
         self.prefill_sparsity = prefill_sparsity
+
+    def decode_captures(self, windowed: frozenset[int]) -> bool:
+        """Whether a decode step over whole views can be captured in a CUDA graph, given
+        the layers that attend through a sliding window."""
+        return self.graph_safe
 
     def sparse_prefill_applies(
         self, layer: int, q_len: int, view_len: int, window: int | None

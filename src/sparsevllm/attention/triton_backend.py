@@ -53,8 +53,12 @@ class TritonBackend(AttentionBackend):
         self.kivi = KiviAttention(storage)
         # Latent layers' prefill chunks (and sliding windows, which MLA models have not).
         self.reference = TorchRefBackend(storage)
-        # KIVI's store takes residual rows from a host free list: eager steps.
-        self.graph_safe = not any(s.format.kernels == "kivi" for s in storage)
+        # KIVI layers serve selected views and scores through the torch reference, which
+        # waits for the host; their whole-view decode steps (kernel and store) capture.
+        self.graph_views_safe = not any(s.format.kernels == "kivi" for s in storage)
+
+    def decode_captures(self, windowed: frozenset[int]) -> bool:
+        return self.kivi.decode_captures(windowed)
 
     @classmethod
     def serves(cls, layout: SlotLayout, fmt: KVFormat) -> bool:

@@ -5,8 +5,9 @@ cost grows with the context, runs the KIVI decode kernel (attention/triton/
 decode_kivi.py), which reads the packed codes and the residual rows where they lie. The
 other steps (prefill chunks, a method's selected views, the probabilities a method asks
 for) go through the torch reference over dequantized reads, on the same device. Storing
-is the storage's own (a residual row per new token, from a host free list), so a step
-with KIVI layers is not captured in a CUDA graph.
+is the storage's own (a residual row per new token, from a free stack on the device):
+a decode step over whole views has no host sync and is captured in a CUDA graph; steps
+that go through the reference are not (TritonBackend.graph_views_safe).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ class KiviAttention:
     def __init__(self, storage: list[KVStorage]) -> None:
         self.reference = TorchRefBackend(storage)
         self.storage = storage
+
+    def decode_captures(self, windowed: frozenset[int]) -> bool:
+        """Whether every KIVI layer's whole-view decode step runs the kernel (whose
+        launch and store capture in a CUDA graph): not a sliding-window layer, and a
+        head_dim the kernel reads."""
+        return all(
+            layer not in windowed and kernel_reads(storage)
+            for layer, storage in enumerate(self.storage)
+            if isinstance(storage, KiviStorage)
+        )
 
     def forward(
         self,

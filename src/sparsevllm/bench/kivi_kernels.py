@@ -171,7 +171,13 @@ def bench(
     configs += [dict(num_splits=None, num_stages=n) for n in (1, 2, 4)]
     configs += [dict(num_splits=n) for n in (2, 4, 8, 16)]
     configs += [dict(num_splits=None, asm_unpack=False)]
-    configs += [dict(num_splits=None, dequant_keys=False, num_stages=n) for n in (3, 4)]
+    configs += [dict(num_splits=None, dequant_keys=False, num_stages=n) for n in (2, 3, 4)]
+    configs += [dict(num_splits=None, dequant_keys=False, num_warps=4)]
+    # The query heads padded to 16 rows (the kernel before session 28), both key modes.
+    configs += [
+        dict(num_splits=None, block_g=16),
+        dict(num_splits=None, block_g=16, dequant_keys=False),
+    ]
     results = []
     for cfg in configs:
         ms = median_ms(lambda cfg=cfg: run(**cfg))

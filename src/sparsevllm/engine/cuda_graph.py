@@ -56,6 +56,9 @@ class DecodeGraphs:
         runner.tables.table[:, self.pad_row, 0] = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.epoch: tuple[tuple[int, int], ...] = ()  # MethodSet.graph_epoch at capture
+        # False while graph-view methods run on a backend that serves their views on the
+        # host (AttentionBackend.graph_views_safe): decode steps are eager then.
+        self.usable = True
         self.mem_pool: _POOL_HANDLE | None = None
 
     def _static_batch(self, size: int) -> ForwardBatch:
@@ -104,10 +107,14 @@ class DecodeGraphs:
     def capture(self) -> None:
         r = self.runner
         model = r.model
-        for method in r.methods.graph_methods():
-            method.prepare_graph_capture(r.methods.kv_for(method), *r.tables.table.shape[1:])
         self.epoch = r.methods.graph_epoch
         self.graphs.clear()
+        self.usable = r.backend.graph_views_safe or not r.methods.graph_methods()
+        if not self.usable:
+            logger.info("methods compute decode views the backend serves on the host: eager decode")
+            return
+        for method in r.methods.graph_methods():
+            method.prepare_graph_capture(r.methods.kv_for(method), *r.tables.table.shape[1:])
         self.rows.fill_(self.pad_row)
         for size in reversed(self.buckets):  # largest first: smaller ones reuse its pool
             stream = torch.cuda.Stream()
@@ -131,13 +138,14 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
         """Capture again if a method reallocated device state its views read (or a
-        graph-view method was added)."""
+        graph-view method was added or dropped); whether the graphs serve decode now."""
         if self.epoch != self.runner.methods.graph_epoch:
             logger.info("sparse-method state was reallocated: capturing decode graphs again")
             self.mem_pool = None
             self.capture()
+        return self.usable
 
     def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """Replay for a pure-decode batch; returns logits `[S, vocab]`."""

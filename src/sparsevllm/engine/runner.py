@@ -235,8 +235,7 @@ class ModelRunner:
         batch, t_ids, steps, methods = self._prepare(plan)
         input_ids = t_ids if input_ids is None else input_ids
         graphs = self.graphs if self._use_graph(batch, methods) else None
-        if graphs is not None:
-            graphs.refresh()
+        if graphs is not None and graphs.refresh():
             logits = graphs.run(batch, input_ids)[batch.logits_indices]  # [S, vocab]
         else:
             hidden = self.model(input_ids, batch)  # [T, hidden]
@@ -334,7 +333,9 @@ class ModelRunner:
         meter = cfg.measure_kv_reads
         self.kv_reads = KVReadMeter(pool.group_of_layer, self.device) if meter else None
         self.graphs = None
-        if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.graph_safe:
+        windowed = frozenset(layer for layer, _ in self.layout.sliding)
+        captures = self.backend.decode_captures(windowed)
+        if self.device.type == "cuda" and not self.config.enforce_eager and captures:
             graphs = DecodeGraphs(self, self.capacity.graph_max_batch)
             graphs.capture()
             self.graphs = graphs

@@ -20,12 +20,16 @@ Shared by the slots:
   zero point, and `group_refs` `[num_groups]`, how many held slots were sealed in it
   (a group is free again when no slot references it: an evicted token leaves its
   group's parameters to the tokens that stay);
-- `res_k`, `res_v`: the residual rows in the model dtype, handed out from a free list.
+- `res_k`, `res_v`: the residual rows in the model dtype, handed out from a free stack
+  that lives on the device (kv/free_stack.py), plus one spare row that padded rows of a
+  store write to.
 
 Who decides what to seal is the engine (engine/kv_seal.py): it knows each sequence's view
 and seals the oldest G residual entries once more than R + G - 1 are there. A token is
 written to a residual row when stored; `seal` quantizes a group; `release` (the pool
-freeing slots) gives back residual rows and group references. Per-head compaction
+freeing slots) gives back residual rows and group references. `store` and `release` are
+masked tensor operations without a host sync, so a decode step that stores into KIVI
+layers is captured in a CUDA graph like any other (slot -1 pads a captured batch). Per-head compaction
 re-quantizes the kept keys in new groups of the compacted order (their groups would
 otherwise outlive all but a few of their tokens); values move exactly.
 """
@@ -46,8 +50,8 @@ from sparsevllm.kv.format import (
     KVPair,
     KVStorage,
     kv_zeros,
-    real_rows,
 )
+from sparsevllm.kv.free_stack import DeviceFreeStack
 
 EMPTY = -1
 # Tier rows name the key groups their rows reference with this prefix ("shared."): the
@@ -92,7 +96,7 @@ class KiviFormat(KVFormat):
     def fixed_bytes(self, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype) -> int:
         row = 2 * num_kv_heads * head_dim * model_dtype.itemsize + 8  # K, V, free-stack entry
         group_bytes = num_kv_heads * head_dim * 4 + 4
-        return self.residual_rows * row + self.extra_groups * group_bytes
+        return (self.residual_rows + 1) * row + self.extra_groups * group_bytes  # + the spare row
 
     def num_groups(self, num_slots: int) -> int:
         return math.ceil(GROUP_SLACK * num_slots / self.group_size) + self.extra_groups
@@ -121,15 +125,18 @@ class KiviStorage(KVStorage):
         self.k = kv_zeros((num_slots, h, d * self.bits // 8), torch.uint8, device)
         self.v = kv_zeros((num_slots, h, d * self.bits // 8), torch.uint8, device)
         self.v_params = kv_zeros((num_slots, h, 2), codes.PARAM_DTYPE, device)
-        self.state = torch.full((num_slots,), EMPTY, dtype=torch.int32, device=device)
+        # One state entry past the slots: padded rows of a store (slot -1) write there.
+        self._state = torch.full((num_slots + 1,), EMPTY, dtype=torch.int32, device=device)
+        self.state = self._state[:num_slots]
+        self._spare_slot = num_slots
         groups = fmt.num_groups(num_slots)
         self.key_groups = kv_zeros((groups, h, d, 2), codes.PARAM_DTYPE, device)
         self.group_refs = torch.zeros(groups, dtype=torch.int32, device=device)
         self._free_groups: list[int] = list(range(groups - 1, -1, -1))
         rows = max(fmt.residual_rows, 1)
-        self.res_k = kv_zeros((rows, h, d), dtype, device)
-        self.res_v = kv_zeros((rows, h, d), dtype, device)
-        self._free_rows: list[int] = list(range(rows - 1, -1, -1))
+        self.free_rows = DeviceFreeStack(rows, device)
+        self.res_k = kv_zeros((rows + 1, h, d), dtype, device)  # + the spare row
+        self.res_v = kv_zeros((rows + 1, h, d), dtype, device)
 
     @property
     def head_dim(self) -> int:
@@ -137,7 +144,8 @@ class KiviStorage(KVStorage):
 
     @property
     def num_residual_free(self) -> int:
-        return len(self._free_rows)
+        """Free residual rows (waits for the device)."""
+        return self.free_rows.num_free
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The slot-major buffers (the key groups and residual rows are shared state)."""
@@ -147,15 +155,16 @@ class KiviStorage(KVStorage):
         return self.kivi.bytes_per_slot(self.num_kv_heads, self.head_dim, self.dtype)
 
     # -- residual rows and key groups ---------------------------------------------------
-    def _take_rows(self, n: int) -> torch.Tensor:
-        if n > len(self._free_rows):
+    def check_rows(self) -> None:
+        """Raise if a store since the last check found no free residual row (called
+        where the engine waits for the device anyway: sealing)."""
+        short = self.free_rows.ran_dry()
+        if short:
             raise RuntimeError(
-                f"KIVI residual rows exhausted ({n} asked, {len(self._free_rows)} free); "
-                "the engine sizes them for max_num_seqs x (R + G) + one step's tokens"
+                f"KIVI residual rows exhausted ({short} more asked than were free of "
+                f"{self.free_rows.num_rows}); the engine sizes them for max_num_seqs x "
+                "(R + G) + one step's tokens"
             )
-        taken = self._free_rows[len(self._free_rows) - n :]
-        del self._free_rows[len(self._free_rows) - n :]
-        return torch.tensor(taken, dtype=torch.long, device=self.device)
 
     def take_groups(self, n: int) -> torch.Tensor:
         """`n` free key-group ids (reclaiming the groups no slot references any more);
@@ -171,24 +180,29 @@ class KiviStorage(KVStorage):
 
     def release(self, slots: torch.Tensor) -> None:
         """Slots `[n]` the pool freed: their residual rows and group references go back."""
-        st = self.state[slots]
-        rows = -st[st <= -2].long() - 2
-        self._free_rows.extend(rows.tolist())
-        gids = st[st >= 0].long()
-        if gids.numel():
-            self.group_refs.index_add_(0, gids, torch.full_like(gids, -1, dtype=torch.int32))
-        self.state[slots] = EMPTY
+        slots = slots.long()
+        self._release(slots, torch.ones_like(slots, dtype=torch.bool))
+
+    def _release(self, slots: torch.Tensor, real: torch.Tensor) -> None:
+        """`release` of the `real` entries of `slots` `[n]` (the others index the spare
+        state entry), in fixed-shape tensor operations."""
+        st = self._state[slots]
+        self.free_rows.give(-st.long() - 2, real & (st <= -2))
+        drops = (real & (st >= 0)).to(torch.int32)
+        self.group_refs.index_add_(0, st.clamp(min=0).long(), -drops)
+        self._state.index_fill_(0, slots, EMPTY)  # no host scalar copied: capturable
 
     # -- writes -------------------------------------------------------------------------
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """New tokens go to residual rows (an overwritten slot's old state is released)."""
-        k, v, slots = real_rows(k, v, slots)
-        slots = slots.long()
-        self.release(slots)
-        rows = self._take_rows(slots.numel())
+        """New tokens `[T, Hkv, D]` go to residual rows (an overwritten slot's old state
+        is released); a slot of -1 is not stored. No host sync (module docstring)."""
+        real = slots >= 0
+        at = torch.where(real, slots.long(), self._spare_slot)  # [T]
+        self._release(at, real)
+        rows = self.free_rows.take(real)  # [T]: the spare row where not real
         self.res_k[rows] = k.to(self.dtype)
         self.res_v[rows] = v.to(self.dtype)
-        self.state[slots] = (-rows - 2).int()
+        self._state[at] = (-rows - 2).int()
 
     def seal(self, groups: torch.Tensor) -> None:
         """Quantize groups of slots `[n, G]` (-1: padding): each row's residual entries
@@ -200,11 +214,12 @@ class KiviStorage(KVStorage):
         used = valid.any(1)
         if not bool(used.any()):
             return
+        self.check_rows()
         slots, valid, st = slots[used], valid[used], st[used]
         rows = (-st.long() - 2).clamp(min=0)
         self._new_groups(slots, self.res_k[rows].float(), valid)  # keys [n, G, Hkv, D]
         self._write_values(slots[valid], self.res_v[rows[valid]].float())
-        self._free_rows.extend(rows[valid].tolist())
+        self.free_rows.give(rows.flatten(), valid.flatten())
 
     def _new_groups(self, slots: torch.Tensor, kf: torch.Tensor, valid: torch.Tensor) -> None:
         """Quantize keys `kf` `[n, G, Hkv, D]` (float32) of slots `[n, G]` where `valid`
@@ -300,7 +315,7 @@ class KiviStorage(KVStorage):
             self.v[dst[:sealed]] = torch.where(fresh, new, v_codes[:sealed])
             self.v_params[dst[:sealed]] = torch.where(fresh, par, v_par[:sealed])
         if tail:
-            rows = self._take_rows(tail)
+            rows = self.free_rows.take(torch.ones(tail, dtype=torch.bool, device=self.device))
             self.res_k[rows] = kf[sealed:].to(self.dtype)
             self.res_v[rows] = vf[sealed:].to(self.dtype)
             self.state[dst[sealed:]] = (-rows - 2).int()

@@ -8,20 +8,26 @@ consecutive channels, plane b in bits b * bits of the row's P bytes. A tile load
 rows' P bytes at once (wide, contiguous loads) and works plane by plane: plane b of the
 keys meets the query's channels b*P .. b*P+P-1, plane b of the values makes the output's.
 
-Two loops over a split, each without branches (so Triton pipelines their loads):
+Two kernels, each one loop without branches (so Triton pipelines its loads):
 
-* the fast loop, over the view's leading tiles whose every entry is sealed in one key
+* this module's, over the view's leading tiles whose every entry is sealed in one key
   group (a view sealed in order, G tokens to a group, with BLOCK_N = G; a first small
-  kernel finds, per sequence, where that run of tiles ends). Keys are dequantized in
-  registers with the group's per-channel parameters and dotted with the query as
-  loaded (`dequant_keys`; or the scale folds into the query,
+  kernel finds, per sequence, where that run of tiles ends), split NUM_SPLITS ways.
+  Keys are dequantized in registers with the group's per-channel parameters and dotted
+  with the query as loaded (`dequant_keys`; or the scale folds into the query,
   `q . (c * s + z) = (q * s) . c + q . z`); values fold their per-token scale into the
   probabilities and their zero points into one per-row sum. Codes come out of their
   bytes as `bias + code` (bf16 128 + c, fp16 1024 + c) without int-to-float conversion;
   in the value dots the bias's excess is subtracted once per row;
-* the general loop, over the rest (residual rows, tiles spanning groups, re-grouped
-  entries): each entry dequantized with its own group's parameters or read in full
-  precision.
+* decode_kivi_rest.py's, over the rest (residual rows, tiles spanning groups,
+  re-grouped entries): each entry dequantized with its own group's parameters or read
+  in full precision. Its per-entry loads need far more registers; in one kernel they
+  capped the occupancy of the first loop too.
+
+Both write their softmax states to one split workspace (NUM_SPLITS + 1 parts), which
+decode.py's merge kernel combines. The query heads of a KV head are padded to a power
+of two (not to 16: `tl.dot` takes fewer rows, and the padding costs registers and
+instructions in every elementwise step of the tile).
 
 The plane helpers (unpacking, folding, per-entry dequantization) are in kivi_planes.py.
 
@@ -36,23 +42,16 @@ import triton.language as tl
 
 from sparsevllm.attention.triton._common import LOG2E, auto_num_splits, dot_precision, next_pow2
 from sparsevllm.attention.triton.decode import merge_splits
+from sparsevllm.attention.triton.decode_kivi_rest import kivi_rest_kernel
 from sparsevllm.attention.triton.kivi_planes import (
-    any_plane,
     biased_plane,
     code_bias,
     halves,
+    query_planes,
     sealed_plane_qk,
+    softmax_step,
+    store_partial,
 )
-
-
-@triton.jit
-def _softmax_step(qk, m_i, l_i):  # type: ignore[no-untyped-def]
-    """Online softmax over one more tile of base-2 logits `[BLOCK_G, BLOCK_N]`: the
-    probabilities, the factor that rescales what was accumulated, the new max and sum."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -93,7 +92,7 @@ def _sealed_tile(  # type: ignore[no-untyped-def]
         qk += sealed_plane_qk(kb, g2, q2, 2, P, BITS, qd, DOT_PREC, ASM, KDEQ)
         qk += sealed_plane_qk(kb, g3, q3, 3, P, BITS, qd, DOT_PREC, ASM, KDEQ)
     qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
-    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
+    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
     v_s, v_z = halves(vw)
     p_s = (p * v_s[None, :]).to(qd)
     acc0 = acc0 * alpha[:, None] + tl.dot(
@@ -147,50 +146,20 @@ def _kivi_tile_plan_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
-    q_ptr,
-    k_codes_ptr,
-    v_codes_ptr,
-    v_par_ptr,
-    state_ptr,
-    groups_ptr,
-    res_k_ptr,
-    res_v_ptr,
-    table_ptr,
-    rows_ptr,
-    lens_ptr,
-    fast_ptr,
-    tile_group_ptr,
-    out_ptr,
-    ws_m_ptr,
-    ws_l_ptr,
-    ws_acc_ptr,
-    qk_scale,
-    stride_qs,
-    stride_qh,
-    stride_cs,  # codes [num_slots, Hkv, P] (K and V alike)
-    stride_ch,
-    stride_ps,  # value parameters [num_slots, Hkv] int32 (scale, zero as two float16)
-    stride_ph,
-    stride_gg,  # key groups [num_groups, Hkv, D] int32 (scale, zero as two float16)
-    stride_gh,
-    stride_rs,  # residual rows [rows, Hkv, D]
-    stride_rh,
-    stride_tr,
-    stride_tg,
-    stride_os,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    ASM: tl.constexpr,
-    KDEQ: tl.constexpr,
-):
-    """Program (KV head, s, split): online softmax over one split of the view, its
-    one-group tiles first (the fast loop), then the rest (module docstring)."""
+    q_ptr, k_codes_ptr, v_codes_ptr, v_par_ptr, groups_ptr, table_ptr, rows_ptr, fast_ptr,
+    tile_group_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, qk_scale,
+    stride_qs, stride_qh,
+    stride_cs, stride_ch,  # codes [num_slots, Hkv, P] (K and V alike)
+    stride_ps, stride_ph,  # value parameters [num_slots, Hkv] int32 (scale, zero as two float16)
+    stride_gg, stride_gh,  # key groups [num_groups, Hkv, D] int32 (scale, zero as two float16)
+    stride_tr, stride_tg,
+    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    ASM: tl.constexpr, KDEQ: tl.constexpr,
+):  # fmt: skip
+    """Program (KV head, s, split): online softmax over one split of the view's leading
+    one-group tiles (`fast[s]` entries), stored as part `split` of `NUM_SPLITS + 1` in
+    the split workspace (the last part is decode_kivi_rest.py's)."""
     kvh = tl.program_id(0)
     s = tl.program_id(1)
     split = tl.program_id(2)
@@ -199,11 +168,10 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     NPL: tl.constexpr = 8 // BITS  # planes: 2 (int4) or 4 (int2)
 
     row = tl.load(rows_ptr + s).to(tl.int64)
-    view_len = tl.load(lens_ptr + s)
-    chunk = tl.cdiv(tl.cdiv(view_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    fast_len = tl.load(fast_ptr + s)
+    chunk = tl.cdiv(tl.cdiv(fast_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
-    end = tl.minimum(start + chunk, view_len)
-    fast_end = tl.minimum(tl.maximum(tl.load(fast_ptr + s), start), end)
+    end = tl.minimum(start + chunk, fast_len)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -211,19 +179,12 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
     q_at = q_ptr + s.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_p[None, :]
-    q0 = tl.load(q_at, mask=g_mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_G, P]
-    q1 = tl.load(q_at + P, mask=g_mask[:, None], other=0.0).to(tl.float32)
-    if NPL == 4:
-        q2 = tl.load(q_at + 2 * P, mask=g_mask[:, None], other=0.0).to(tl.float32)
-        q3 = tl.load(q_at + 3 * P, mask=g_mask[:, None], other=0.0).to(tl.float32)
-    else:
-        q2 = q0
-        q3 = q0
+    q0, q1, q2, q3 = query_planes(q_at, g_mask, P, NPL)  # [BLOCK_G, P] each
     qd = q_ptr.dtype.element_ty
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    zacc = tl.zeros([BLOCK_G], tl.float32)  # sum of p * value zero points (fast loop)
+    zacc = tl.zeros([BLOCK_G], tl.float32)  # sum of p * value zero points
     acc0 = tl.zeros([BLOCK_G, P], tl.float32)  # output channels 0 .. P-1, and so on
     acc1 = tl.zeros([BLOCK_G, P], tl.float32)
     acc2 = tl.zeros([BLOCK_G, P], tl.float32)
@@ -234,7 +195,7 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     par_head = v_par_ptr + kvh * stride_ph
     group_head = groups_ptr + kvh * stride_gh
     tg_row = tile_group_ptr + s.to(tl.int64) * stride_tg
-    for j in range(start, fast_end, BLOCK_N):
+    for j in range(start, end, BLOCK_N):
         ok = (j + offs_n) < end
         slot = tl.load(table_row + j + offs_n, mask=ok, other=0).to(tl.int64)
         gid = tl.load(tg_row + j // BLOCK_N).to(tl.int64)
@@ -246,59 +207,11 @@ def _kivi_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
             kb, vb, vw, g0, g1, g2, g3, ok, q0, q1, q2, q3, qk_scale,
             m_i, l_i, zacc, acc0, acc1, acc2, acc3, P, BITS, NPL, qd, DOT_PREC, ASM, KDEQ,
         )  # fmt: skip
-    for j in range(fast_end, end, BLOCK_N):
-        valid = (j + offs_n) < end
-        slot = tl.load(table_row + j + offs_n, mask=valid, other=0).to(tl.int64)
-        st = tl.load(state_ptr + slot, mask=valid, other=-1)  # [BLOCK_N]
-        gp = group_head + tl.maximum(st, 0).to(tl.int64) * stride_gg  # [BLOCK_N]
-        rrow = tl.maximum(-st - 2, 0).to(tl.int64) * stride_rs + kvh * stride_rh
-        kb = tl.load(k_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
-        rk = res_k_ptr + rrow
-        k0 = any_plane(kb, st, gp, rk, 0, 0, P, BITS, True).to(qd)  # [BLOCK_N, P]
-        qk = tl.dot(q0.to(qd), tl.trans(k0), input_precision=DOT_PREC)
-        k1 = any_plane(kb, st, gp, rk, 1, 0, P, BITS, True).to(qd)
-        qk += tl.dot(q1.to(qd), tl.trans(k1), input_precision=DOT_PREC)
-        if NPL == 4:
-            k2 = any_plane(kb, st, gp, rk, 2, 0, P, BITS, True).to(qd)
-            qk += tl.dot(q2.to(qd), tl.trans(k2), input_precision=DOT_PREC)
-            k3 = any_plane(kb, st, gp, rk, 3, 0, P, BITS, True).to(qd)
-            qk += tl.dot(q3.to(qd), tl.trans(k3), input_precision=DOT_PREC)
-        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
-        vw = tl.load(par_head + slot * stride_ps, mask=valid, other=0)
-        vb = tl.load(v_head + slot[:, None] * stride_cs, mask=valid[:, None], other=0)
-        rv = res_v_ptr + rrow
-        pq = p.to(qd)
-        v0 = any_plane(vb, st, gp, rv, 0, vw, P, BITS, False).to(qd)
-        acc0 = acc0 * alpha[:, None] + tl.dot(pq, v0, input_precision=DOT_PREC)
-        v1 = any_plane(vb, st, gp, rv, 1, vw, P, BITS, False).to(qd)
-        acc1 = acc1 * alpha[:, None] + tl.dot(pq, v1, input_precision=DOT_PREC)
-        if NPL == 4:
-            v2 = any_plane(vb, st, gp, rv, 2, vw, P, BITS, False).to(qd)
-            acc2 = acc2 * alpha[:, None] + tl.dot(pq, v2, input_precision=DOT_PREC)
-            v3 = any_plane(vb, st, gp, rv, 3, vw, P, BITS, False).to(qd)
-            acc3 = acc3 * alpha[:, None] + tl.dot(pq, v3, input_precision=DOT_PREC)
-        zacc = zacc * alpha
-
-    if NUM_SPLITS == 1:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty view's output is 0
-        o_at = out_ptr + s.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_p[None, :]
-        ot = out_ptr.dtype.element_ty
-        tl.store(o_at, ((acc0 + zacc[:, None]) / l_safe).to(ot), mask=g_mask[:, None])
-        tl.store(o_at + P, ((acc1 + zacc[:, None]) / l_safe).to(ot), mask=g_mask[:, None])
-        if NPL == 4:
-            tl.store(o_at + 2 * P, ((acc2 + zacc[:, None]) / l_safe).to(ot), mask=g_mask[:, None])
-            tl.store(o_at + 3 * P, ((acc3 + zacc[:, None]) / l_safe).to(ot), mask=g_mask[:, None])
-    else:
-        base = ((s * num_q_heads + heads) * NUM_SPLITS + split).to(tl.int64)
-        tl.store(ws_m_ptr + base, m_i, mask=g_mask)
-        tl.store(ws_l_ptr + base, l_i, mask=g_mask)
-        w_at = ws_acc_ptr + base[:, None] * HEAD_DIM + offs_p[None, :]
-        tl.store(w_at, acc0 + zacc[:, None], mask=g_mask[:, None])
-        tl.store(w_at + P, acc1 + zacc[:, None], mask=g_mask[:, None])
-        if NPL == 4:
-            tl.store(w_at + 2 * P, acc2 + zacc[:, None], mask=g_mask[:, None])
-            tl.store(w_at + 3 * P, acc3 + zacc[:, None], mask=g_mask[:, None])
+    base = ((s * num_q_heads + heads) * (NUM_SPLITS + 1) + split).to(tl.int64)
+    store_partial(
+        ws_m_ptr, ws_l_ptr, ws_acc_ptr, base, g_mask, m_i, l_i, zacc,
+        acc0, acc1, acc2, acc3, HEAD_DIM, P, NPL,
+    )  # fmt: skip
 
 
 def _as_pairs(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -354,6 +267,7 @@ def kivi_decode_attention(
     num_stages: int = 3,
     asm_unpack: bool = True,
     dequant_keys: bool = True,
+    block_g: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole view in KIVI storage;
     writes and returns `out` (equal to the torch reference over `KiviStorage.read`).
@@ -362,7 +276,8 @@ def kivi_decode_attention(
     `dequant_keys` (the default) dequantizes a one-group tile's keys in registers and
     dots them with the query as loaded; False folds the group's scale into the query
     instead (one more conversion of the query per tile): equal results (tested), 7-8%
-    slower on an H100 at 64 x 8K (`bench/kivi_kernels.py`)."""
+    slower on an H100 at 64 x 8K (`bench/kivi_kernels.py`). `block_g`: the rows the
+    query heads of a KV head are padded to (default: the next power of two)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_codes.shape[1]
     if bits not in (2, 4) or k_codes.shape[2] * 8 // bits != head_dim:
@@ -383,38 +298,36 @@ def kivi_decode_attention(
     fast, tile_group = kivi_tile_plan(state, table, rows, view_lens, block_n)
     if num_splits is None:
         num_splits = auto_num_splits(num_seqs, num_kv_heads, table.shape[1], q.device)
-    ws_m = ws_l = ws_acc = None
-    if num_splits > 1:
-        ws_m = torch.empty(
-            (num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device
-        )
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty((*ws_m.shape, head_dim), dtype=torch.float32, device=q.device)
+    # Part i < num_splits: split i of the one-group tiles; the last part: the rest.
+    ws_m = torch.empty(
+        (num_seqs, num_q_heads, num_splits + 1), dtype=torch.float32, device=q.device
+    )
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty((*ws_m.shape, head_dim), dtype=torch.float32, device=q.device)
     group = num_q_heads // num_kv_heads
+    block_g = next_pow2(group) if block_g is None else block_g
+    common: dict[str, int | str] = dict(
+        HEAD_DIM=head_dim, BITS=bits, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n
+    )
+    common["DOT_PREC"] = dot_precision(q.dtype)
+    qk_scale = float(scale) * LOG2E
     _kivi_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, k_codes, v_codes, v_pairs, state, groups, res_k, res_v,
-        table, rows, view_lens, fast, tile_group, out, ws_m, ws_l, ws_acc,
-        float(scale) * LOG2E,
-        q.stride(0), q.stride(1),
-        k_codes.stride(0), k_codes.stride(1),
-        v_pairs.stride(0), v_pairs.stride(1),
-        groups.stride(0), groups.stride(1),
-        res_k.stride(0), res_k.stride(1),
+        q, k_codes, v_codes, v_pairs, groups, table, rows, fast, tile_group,
+        ws_m, ws_l, ws_acc, qk_scale,
+        q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
+        v_pairs.stride(0), v_pairs.stride(1), groups.stride(0), groups.stride(1),
         table.stride(0), tile_group.stride(0),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim,
-        BITS=bits,
-        GROUP=group,
-        BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        DOT_PREC=dot_precision(q.dtype),
         ASM=asm_unpack and q.dtype == torch.bfloat16 and q.is_cuda,
-        KDEQ=dequant_keys,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        KDEQ=dequant_keys, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
-    if num_splits > 1:
-        assert ws_m is not None and ws_l is not None and ws_acc is not None
-        merge_splits(ws_m, ws_l, ws_acc, out)
+    kivi_rest_kernel[(num_kv_heads, num_seqs)](
+        q, k_codes, v_codes, v_pairs, state, groups, res_k, res_v, table, rows, view_lens,
+        fast, ws_m, ws_l, ws_acc, qk_scale,
+        q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
+        v_pairs.stride(0), v_pairs.stride(1), groups.stride(0), groups.stride(1),
+        res_k.stride(0), res_k.stride(1), table.stride(0),
+        SPLIT=num_splits, NUM_PARTS=num_splits + 1, num_warps=2, num_stages=1, **common,
+    )  # fmt: skip
+    merge_splits(ws_m, ws_l, ws_acc, out)
     return out

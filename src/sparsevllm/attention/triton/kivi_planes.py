@@ -1,4 +1,5 @@
-"""KIVI's packed code planes in registers, for the KIVI decode kernel (decode_kivi.py).
+"""KIVI's packed code planes in registers, and the pieces the two KIVI decode kernels
+(decode_kivi.py: one-group tiles; decode_kivi_rest.py: the rest of a view) share.
 
 A packed row of D channels holds 8 / bits planes of P = D * bits / 8 channels, plane b in
 bits b * bits of the row's P bytes (kv/kivi_codes.py). These helpers turn a tile's
@@ -150,3 +151,46 @@ def any_plane(  # type: ignore[no-untyped-def]
         s, z = s[:, None], z[:, None]
     res = tl.load(rp[:, None] + offs[None, :], mask=(st <= -2)[:, None], other=0.0)
     return tl.where(sealed[:, None], c * s + z, res.to(tl.float32))
+
+
+@triton.jit
+def softmax_step(qk, m_i, l_i):  # type: ignore[no-untyped-def]
+    """Online softmax over one more tile of base-2 logits `[BLOCK_G, BLOCK_N]`: the
+    probabilities, the factor that rescales what was accumulated, the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def query_planes(q_at, g_mask, P: tl.constexpr, NPL: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The query heads of one KV head `[BLOCK_G, P]` per plane (float32; `q_at` points at
+    channel 0 of each head's row, `[BLOCK_G, P]`); planes an int4 row lacks repeat q0."""
+    q0 = tl.load(q_at, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q1 = tl.load(q_at + P, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    if NPL == 4:
+        q2 = tl.load(q_at + 2 * P, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q3 = tl.load(q_at + 3 * P, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    else:
+        q2 = q0
+        q3 = q0
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def store_partial(  # type: ignore[no-untyped-def]
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr, base, g_mask, m_i, l_i, zacc, acc0, acc1, acc2, acc3,
+    HEAD_DIM: tl.constexpr, P: tl.constexpr, NPL: tl.constexpr,
+):  # fmt: skip
+    """One split's softmax state for merge_splits (decode.py): at `base` `[BLOCK_G]` (the
+    query heads' entries), the max, the sum and the unnormalised output (plus `zacc`,
+    the values' zero points weighted by the probabilities, on every channel)."""
+    tl.store(ws_m_ptr + base, m_i, mask=g_mask)
+    tl.store(ws_l_ptr + base, l_i, mask=g_mask)
+    w_at = ws_acc_ptr + base[:, None] * HEAD_DIM + tl.arange(0, P)[None, :]
+    tl.store(w_at, acc0 + zacc[:, None], mask=g_mask[:, None])
+    tl.store(w_at + P, acc1 + zacc[:, None], mask=g_mask[:, None])
+    if NPL == 4:
+        tl.store(w_at + 2 * P, acc2 + zacc[:, None], mask=g_mask[:, None])
+        tl.store(w_at + 3 * P, acc3 + zacc[:, None], mask=g_mask[:, None])
