@@ -61,8 +61,24 @@ SHARED_POS = SHARED_PREFIX + "row_pos"
 CENTER_SLACK = 1.5
 
 
+@dataclass(frozen=True)
+class UpMap:
+    """What a kernel needs to reconstruct a layer's compressed tokens in registers: the
+    linear up map and how the codes and keys are laid out."""
+
+    weight: torch.Tensor  # [2 * Hkv * D, r]: K rows, then V rows (this rank's heads)
+    bias: torch.Tensor | None  # [2 * Hkv * D]
+    freqs: torch.Tensor | None  # [D / 2] float32 RoPE frequencies (None: no RoPE)
+    bits: int  # 4: r / 2 INT4 code bytes, then a float16 scale and zero; 16: float16 values
+
+
 class LatentDecoder(Protocol):
     """What the method attaches to a layer's storage to read compressed tokens."""
+
+    def up_map(self, dtype: torch.dtype) -> UpMap | None:
+        """The layer's up map for a pool of `dtype` (None: not linear, so no kernel
+        reconstructs in registers and reads go through `decode`)."""
+        ...
 
     def decode(
         self,

@@ -42,7 +42,7 @@ from sparsevllm.deltakv.compressor import DeltaKVCompressor, join_kv, split_kv
 from sparsevllm.deltakv.latent_codes import PackedLatents, pack_latents, unpack_latents
 from sparsevllm.deltakv.rope import rotate, unrotate
 from sparsevllm.deltakv.shard import CompressorShard
-from sparsevllm.kv.deltakv import DeltaKVStorage, deltakv_format
+from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap, deltakv_format
 from sparsevllm.kv.format import KVFormat, KVPair, KVStorage
 from sparsevllm.sparse.base import (
     HeadRanks,
@@ -126,6 +126,14 @@ class TokenCodec:
             self._up_cache[dtype] = cached
         return cached
 
+    def up_map(self, dtype: torch.dtype) -> UpMap | None:
+        """The linear up map in the GEMM dtype of a pool in `dtype` (`_up_weights`), for
+        the decode kernel (attention/triton/decode_deltakv.py); None for an MLP up map."""
+        if self.shard.compressor.spec.hidden_dim:
+            return None
+        weight, bias = self._up_weights(dtype)
+        return UpMap(weight, bias, self.freqs, self.bits)
+
     def code_bytes(self) -> int:
         return self.width // 2 + 4 if self.bits == 4 else 2 * self.width
 
@@ -147,9 +155,9 @@ class TokenCodec:
         than the widest one uses a prefix of its slot's bytes)."""
         codes = codes[:, : self.code_bytes()]
         if self.bits == 16:
-            return codes.contiguous().view(torch.float16).float()
+            return _halves(codes).float()
         half = self.width // 2
-        params = codes[:, half:].contiguous().view(torch.float16).view(-1, 1, 2)
+        params = _halves(codes[:, half:]).view(-1, 1, 2)
         return unpack_latents(PackedLatents(codes[:, :half], params))
 
     def decode(
@@ -470,6 +478,12 @@ class DeltaKV(SparseMethod):
         keep = storage.is_full(view).clone()
         keep[best] = True
         return keep.nonzero().flatten()
+
+
+def _halves(data: torch.Tensor) -> torch.Tensor:
+    """Bytes `[n, 2m]` -> float16 `[n, m]`, from a fresh copy: a slice of a slot row
+    starts at any byte (one row counts as contiguous, so `.contiguous()` keeps it)."""
+    return data.clone(memory_format=torch.contiguous_format).view(torch.float16)
 
 
 def _padded(slots: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,0 +1,132 @@
+"""The DeltaKV decode kernel (attention/triton/decode_deltakv.py) against attention over
+the storage's own reads (`DeltaKVStorage.read`: compressed tokens reconstructed by the
+method's codec), on views that mix full and compressed tokens in shuffled slots."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from kernel_env import DEVICE, require_triton
+
+require_triton()
+
+from sparsevllm.attention.triton.decode_deltakv import deltakv_decode_attention  # noqa: E402
+from sparsevllm.deltakv.compressor import DeltaKVCompressor  # noqa: E402
+from sparsevllm.deltakv.shard import CompressorShard  # noqa: E402
+from sparsevllm.deltakv.spec import DeltaKVSpec  # noqa: E402
+from sparsevllm.kv.deltakv import COMPRESSED, DeltaKVStorage, deltakv_format  # noqa: E402
+from sparsevllm.sparse.deltakv import TokenCodec  # noqa: E402
+
+NREF = 4
+
+
+def _storage(hkv, d, r, bits, dtype, rope, extra_bytes, bias=True):
+    torch.manual_seed(0)
+    spec = DeltaKVSpec(layers=(0,), num_kv_heads=hkv, head_dim=d, latent_dims=(r,))
+    compressor = DeltaKVCompressor(spec)
+    up = compressor.codec(0).up_proj
+    if not bias:
+        up.bias = None
+    compressor = compressor.to(DEVICE)
+    freqs = (1.0 / 10000 ** (torch.arange(0, d, 2) / d)).to(DEVICE) if rope else None
+    codec = TokenCodec(CompressorShard(compressor, (0, hkv)), 0, freqs, bits=bits)
+    # A slot wider than this layer's code: the layer reads a prefix of its bytes.
+    fmt = deltakv_format(codec.code_bytes() + extra_bytes, NREF, 10, 0)
+    fmt = dataclasses.replace(fmt, fixed_rows=400)
+    storage = DeltaKVStorage(fmt, 300, hkv, d, dtype, DEVICE)
+    storage.attach_decoder(codec)
+    return storage, codec
+
+
+def _views(storage, codec, lens, g):
+    """Sequences of `lens` tokens in shuffled slots: the first NREF + 1 of each and every
+    fifth stay full; the others are compressed against NREF of the full ones."""
+    hkv, d = storage.num_kv_heads, storage.head_dim
+    perm = torch.randperm(storage.num_slots, generator=g)
+    table = torch.zeros((len(lens) + 1, max(lens) + 3), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(lens):
+        slots = perm[at : at + n]
+        at += n
+        table[i + 1, :n] = slots.int()  # row 0 unused: rows index the table
+        k = torch.randn(n, hkv, d, generator=g).to(DEVICE)
+        v = torch.randn(n, hkv, d, generator=g).to(DEVICE)
+        storage.store(k, v, slots.to(DEVICE))
+        pos = torch.arange(n)
+        full = (pos <= NREF) | (pos % 5 == 0)
+        cand = pos[full]
+        comp = pos[~full]
+        if comp.numel() == 0:
+            continue
+        pick = torch.stack([cand[torch.randperm(cand.numel(), generator=g)[:NREF]] for _ in comp])
+        codes = codec.encode(3 * torch.randn(comp.numel(), codec.width, generator=g).to(DEVICE))
+        storage.compress(
+            slots[comp].to(DEVICE),
+            comp.to(DEVICE),
+            codes,
+            slots[pick].to(DEVICE),
+            pick.to(DEVICE),
+        )
+    return table.to(DEVICE)
+
+
+def _reference(q, storage, table, rows, lens, scale):
+    """Attention over `storage.read` of each view, float32: `[S, Hq, D]`."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    group = q.shape[1] // storage.num_kv_heads
+    for i, (row, n) in enumerate(zip(rows.tolist(), lens.tolist())):
+        k, v = storage.read(table[row, :n])  # [n, Hkv, D]
+        k = k.float().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v.float().repeat_interleave(group, dim=1)
+        w = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", w.softmax(-1), v).cpu()
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype,bits,r,rope,extra,bias",
+    [
+        (torch.float32, 4, 64, True, 0, True),
+        (torch.float32, 16, 48, True, 6, True),
+        (torch.float32, 4, 20, False, 3, False),  # odd code bytes: unaligned scales
+        (torch.bfloat16, 4, 64, True, 0, True),
+    ],
+)
+def test_kernel_matches_attention_over_the_storage_reads(dtype, bits, r, rope, extra, bias):
+    g = torch.Generator().manual_seed(1)
+    hkv, d, group = 2, 32, 3
+    storage, codec = _storage(hkv, d, r, bits, dtype, rope, extra, bias)
+    lens = [45, 7, 100]
+    table = _views(storage, codec, lens, g)
+    assert bool((storage.state == COMPRESSED).any())
+    rows = torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), hkv * group, d, generator=g).to(DEVICE, dtype)
+    scale = 1 / math.sqrt(d)
+    up = codec.up_map(dtype)
+    assert up is not None
+    out = torch.empty_like(q)
+    for splits in (1, 3):
+        deltakv_decode_attention(
+            q, storage.state, storage.latent, storage.refs, storage.pos, storage.full_k,
+            storage.full_v, storage.row_pos, up.weight, up.bias, up.freqs, table, rows,
+            lens_t, scale, out, bits=bits, num_splits=splits, block_n=16, block_r=16,
+        )  # fmt: skip
+        want = _reference(q, storage, table, rows, lens_t, scale)
+        tol = 2e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
+
+
+def test_unsupported_head_sizes_are_refused_by_name():
+    q = torch.zeros(1, 2, 24, device=DEVICE)
+    one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    full = torch.zeros(1, 1, 24, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim"):
+        deltakv_decode_attention(
+            q, one, one, one, one, full, full, one, torch.zeros(48, 8, device=DEVICE),
+            None, None, one[None], one, one, 1.0, q, bits=4,
+        )  # fmt: skip
