@@ -119,6 +119,15 @@ def _refs_mean(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _full_rows_over(x_lo, x_hi, row_at, fm, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The tile's halves `[BLOCK_N, BLOCK_H]` with the full tokens' rows (at `row_at`,
+    where `fm`) in place of the reconstructed values."""
+    lo = tl.where(fm, tl.load(row_at, mask=fm, other=0.0).to(tl.float32), x_lo)
+    hi = tl.where(fm, tl.load(row_at + HALF, mask=fm, other=0.0).to(tl.float32), x_hi)
+    return lo, hi
+
+
+@triton.jit
 def _deltakv_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
     q_ptr, state_ptr, latent_ptr, refs_ptr, pos_ptr, fk_ptr, fv_ptr, row_pos_ptr,
     w_ptr, b_ptr, freqs_ptr, table_ptr, rows_ptr, lens_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
@@ -206,10 +215,7 @@ def _deltakv_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
         cos, sin = tl.cos(ang), tl.sin(ang)
         k_lo = pre_lo * cos - pre_hi * sin
         k_hi = pre_hi * cos + pre_lo * sin
-        k_lo = tl.where(fm, tl.load(fk_head + at_full, mask=fm, other=0.0).to(tl.float32), k_lo)
-        k_hi = tl.where(
-            fm, tl.load(fk_head + at_full + HALF, mask=fm, other=0.0).to(tl.float32), k_hi
-        )
+        k_lo, k_hi = _full_rows_over(k_lo, k_hi, fk_head + at_full, fm, HALF)
         qk = tl.dot(q_lo, tl.trans(k_lo.to(dt)), input_precision=DOT_PREC)
         qk += tl.dot(q_hi, tl.trans(k_hi.to(dt)), input_precision=DOT_PREC)
         qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
@@ -225,10 +231,7 @@ def _deltakv_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
         if HAS_BIAS:
             v_lo += bv_lo
             v_hi += bv_hi
-        v_lo = tl.where(fm, tl.load(fv_head + at_full, mask=fm, other=0.0).to(tl.float32), v_lo)
-        v_hi = tl.where(
-            fm, tl.load(fv_head + at_full + HALF, mask=fm, other=0.0).to(tl.float32), v_hi
-        )
+        v_lo, v_hi = _full_rows_over(v_lo, v_hi, fv_head + at_full, fm, HALF)
         pd = p.to(dt)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, v_lo.to(dt), input_precision=DOT_PREC)
         acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, v_hi.to(dt), input_precision=DOT_PREC)
