@@ -83,7 +83,7 @@ class RunnerKV:
     def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return self.storage[layer].read_keys(slots)  # [..., Hkv, D]
 
-    def _view_tensor(self, seq_id: int, layer: int) -> torch.Tensor:
+    def view_tensor(self, seq_id: int, layer: int) -> torch.Tensor:
         """A view's slot ids on the device `[L]`: the slot-table row when it is in sync
         (no host list to convert: views are 32K entries long), else uploaded."""
         group = self.pool.group_of_layer[layer]
@@ -95,13 +95,13 @@ class RunnerKV:
         return upload(view, torch.int32, self.device)
 
     def keys(self, seq_id: int, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
-        slots = self._view_tensor(seq_id, layer)[start:end].long()
+        slots = self.view_tensor(seq_id, layer)[start:end].long()
         return self.storage[layer].read_keys(slots)  # [n, Hkv, D]
 
     def values(
         self, seq_id: int, layer: int, start: int = 0, end: int | None = None
     ) -> torch.Tensor:
-        slots = self._view_tensor(seq_id, layer)[start:end].long()
+        slots = self.view_tensor(seq_id, layer)[start:end].long()
         return self.storage[layer].read_values(slots)  # [n, Hkv, D]
 
     def logical_positions(self, seq_id: int, group: int) -> torch.Tensor:
@@ -137,7 +137,7 @@ class RunnerKV:
         if self._same_for_all_heads(positions):
             self.keep(seq_id, group, positions[0].tolist())  # same tokens for every head
             return
-        table = self._view_tensor(seq_id, layer).long()  # [L]
+        table = self.view_tensor(seq_id, layer).long()  # [L]
         self.positions.on_keep(seq_id, group, table.shape[0], positions)
         src = table[positions].t()  # [B, Hkv]: head h's j-th token lives in slot src[j, h]
         # The first B slots of the view become the compacted rows; the rest are freed

@@ -79,6 +79,9 @@ class GroupedKV:
     ) -> list[int]:
         return self.kv.view_slots(seq_id, layer, start, end)
 
+    def view_tensor(self, seq_id: int, layer: int) -> torch.Tensor:
+        return self.kv.view_tensor(seq_id, layer)
+
     def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return self.kv.gather_keys(layer, slots)
 

@@ -46,8 +46,8 @@ from sparsevllm.kv.format import (
     KVPair,
     KVStorage,
     kv_zeros,
-    real_rows,
 )
+from sparsevllm.kv.free_stack import DeviceFreeStack
 from sparsevllm.kv.kivi import first_seen
 
 EMPTY = -1
@@ -147,15 +147,27 @@ class DeltaKVStorage(KVStorage):
         assert isinstance(fmt, DeltaKVFormat)
         self.delta = fmt
         self.latent = kv_zeros((num_slots, max(fmt.latent_bytes, 1)), torch.uint8, device)
-        self.refs = torch.zeros((num_slots, fmt.num_references), dtype=torch.int32, device=device)
-        self.state = torch.full((num_slots,), EMPTY, dtype=torch.int32, device=device)
+        # One entry past the slots: a store's padded rows (slot -1) release and write
+        # there, so a store is the same tensor operations whatever rows are real.
+        self._refs = torch.zeros(
+            (num_slots + 1, fmt.num_references), dtype=torch.int32, device=device
+        )
+        self.refs = self._refs[:num_slots]
+        self._state = torch.full((num_slots + 1,), EMPTY, dtype=torch.int32, device=device)
+        self.state = self._state[:num_slots]
+        self._spare_slot = num_slots
         self.pos = torch.zeros(num_slots, dtype=torch.int32, device=device)
         rows = max(fmt.num_rows(num_slots), 1)
-        self.full_k = kv_zeros((rows, num_kv_heads, head_dim), dtype, device)
-        self.full_v = kv_zeros((rows, num_kv_heads, head_dim), dtype, device)
-        self.row_pos = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.row_refs = torch.zeros(rows, dtype=torch.int32, device=device)
-        self._free_rows: list[int] = list(range(rows - 1, -1, -1))
+        # Full rows come from a stack on the device (kv/free_stack.py): storing and
+        # compressing never wait for the device. The spare row past them absorbs masked
+        # writes (padded store rows, tokens a compression leaves as they are).
+        self.free_rows = DeviceFreeStack(rows, device)
+        self._spare_row = rows
+        self.full_k = kv_zeros((rows + 1, num_kv_heads, head_dim), dtype, device)
+        self.full_v = kv_zeros((rows + 1, num_kv_heads, head_dim), dtype, device)
+        self.row_pos = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.row_refs = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self._mark = torch.zeros(rows + 1, dtype=torch.long, device=device)  # _unref's scratch
         self.decoder: LatentDecoder | None = None
 
     # -- shape ----------------------------------------------------------------------------
@@ -176,8 +188,14 @@ class DeltaKVStorage(KVStorage):
         return self.state.device
 
     @property
+    def num_rows(self) -> int:
+        """Full rows the storage hands out (the spare row aside)."""
+        return self.free_rows.num_rows
+
+    @property
     def num_rows_free(self) -> int:
-        return len(self._free_rows)
+        """Free full rows (waits for the device)."""
+        return self.free_rows.num_free
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The slot-major buffers (the full rows are shared state)."""
@@ -190,51 +208,64 @@ class DeltaKVStorage(KVStorage):
         self.decoder = decoder
 
     # -- full rows ------------------------------------------------------------------------
-    def _take_rows(self, n: int) -> torch.Tensor:
-        if n > len(self._free_rows):
+    def check_rows(self) -> None:
+        """Raise if a store since the last check found no free full row (called where
+        the host waits for the device anyway: a method's next step)."""
+        short = self.free_rows.ran_dry()
+        if short:
             raise RuntimeError(
-                f"DeltaKV full-precision rows exhausted ({n} asked, {len(self._free_rows)} "
-                "free): they are sized for max_num_seqs x (sink + recent + stride) + one "
-                f"step's tokens + {CENTER_SLACK} / stride of the slots; lower "
+                f"DeltaKV full-precision rows exhausted ({short} more asked than were free "
+                f"of {self.num_rows}): they are sized for max_num_seqs x (sink + recent + "
+                f"stride) + one step's tokens + {CENTER_SLACK} / stride of the slots; lower "
                 "recent_keep_tokens or max_num_seqs"
             )
-        taken = self._free_rows[len(self._free_rows) - n :]
-        del self._free_rows[len(self._free_rows) - n :]
-        return torch.tensor(taken, dtype=torch.long, device=self.device)
 
-    def _unref(self, rows: torch.Tensor) -> None:
-        """Drop one reference per entry of `rows` `[n]`; rows no one holds are free."""
+    def _unref(self, rows: torch.Tensor, drop: torch.Tensor) -> None:
+        """Drop one reference at `rows[i]` for every True `drop[i]` (`[n]`); rows no one
+        holds any more go back to the stack, each once. Fixed-shape tensor operations."""
         if not rows.numel():
             return
-        rows = rows.long()
-        self.row_refs.index_add_(0, rows, torch.full_like(rows, -1, dtype=torch.int32))
-        uniq = rows.unique()
-        self._free_rows.extend(uniq[self.row_refs[uniq] == 0].tolist())
+        rows = torch.where(drop, rows.long(), self._spare_row)
+        self.row_refs.index_add_(0, rows, -drop.to(torch.int32))
+        # A row listed several times is given back by one entry: the one whose index the
+        # scatter kept (any one of them, but exactly one).
+        idx = torch.arange(rows.numel(), device=rows.device)
+        self._mark.scatter_(0, rows, idx)
+        keep = drop & (self._mark[rows] == idx) & (self.row_refs[rows] == 0)
+        self.free_rows.give(rows, keep)
 
-    def _ref(self, rows: torch.Tensor) -> None:
-        rows = rows.reshape(-1).long()
-        self.row_refs.index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
+    def _ref(self, rows: torch.Tensor, add: torch.Tensor) -> None:
+        """One more reference at `rows[i]` for every True `add[i]` (any shape)."""
+        rows, add = rows.reshape(-1).long(), add.reshape(-1)
+        self.row_refs.index_add_(0, torch.where(add, rows, self._spare_row), add.to(torch.int32))
 
     def release(self, slots: torch.Tensor) -> None:
         """Slots `[n]` the pool freed: their own rows and references go back."""
         slots = slots.long()
-        st = self.state[slots]
-        own = st[st >= 0]
-        refs = self.refs[slots[st == COMPRESSED]].reshape(-1)
-        self._unref(torch.cat([own, refs]))
-        self.state[slots] = EMPTY
+        self._release(slots, torch.ones_like(slots, dtype=torch.bool))
+
+    def _release(self, slots: torch.Tensor, real: torch.Tensor) -> None:
+        """`release` of the `real` entries of `slots` `[n]` (the others index the spare
+        slot): a full token's row, a compressed token's references."""
+        st = self._state[slots]  # [n]
+        refs = self._refs[slots].long()  # [n, R]
+        compressed = (real & (st == COMPRESSED))[:, None].expand_as(refs)
+        rows = torch.cat([st.long().clamp(min=0), refs.reshape(-1)])
+        self._unref(rows, torch.cat([real & (st >= 0), compressed.reshape(-1)]))
+        self._state.index_fill_(0, slots, EMPTY)
 
     # -- writes ---------------------------------------------------------------------------
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """New tokens go to full rows (a reused slot's old state is released first)."""
-        k, v, slots = real_rows(k, v, slots)
-        slots = slots.long()
-        self.release(slots)
-        rows = self._take_rows(slots.numel())
+        """New tokens `[T, Hkv, D]` go to full rows (a reused slot's old state is
+        released first); a slot of -1 is not stored. No host sync."""
+        real = slots >= 0
+        at = torch.where(real, slots.long(), self._spare_slot)  # [T]
+        self._release(at, real)
+        rows = self.free_rows.take(real)  # [T]: the spare row where not real
         self.full_k[rows] = k.to(self.dtype)
         self.full_v[rows] = v.to(self.dtype)
         self.row_refs[rows] = 1
-        self.state[slots] = rows.int()
+        self._state[at] = rows.int()
 
     def is_full(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool `[n]`: which of `slots` hold their K/V in a full row."""
@@ -242,26 +273,32 @@ class DeltaKVStorage(KVStorage):
 
     def compress(
         self,
-        slots: torch.Tensor,  # [n] full tokens to compress
+        slots: torch.Tensor,  # [n] tokens to compress
         positions: torch.Tensor,  # [n]
         codes: torch.Tensor,  # [n, <= latent_bytes] uint8
         ref_slots: torch.Tensor,  # [n, R] full tokens they refer to
         ref_positions: torch.Tensor,  # [n, R]
     ) -> None:
-        """Replace full tokens by their codes against references held in full rows."""
+        """Replace full tokens by their codes against references held in full rows.
+        A token that is not full (compressed already: a restored view compresses its
+        window before the method sees it) or has a reference that is not is left as it
+        is: masked tensor operations, so the host never waits to find out which."""
         slots, ref_slots = slots.long(), ref_slots.long()
-        own = self.state[slots].long()
+        own = self.state[slots].long()  # [n]
         ref_rows = self.state[ref_slots].long()  # [n, R]
-        if bool((own < 0).any()) or bool((ref_rows < 0).any()):
-            raise RuntimeError("DeltaKV compresses full tokens against full references only")
-        self._ref(ref_rows)
-        self.row_pos[ref_rows.reshape(-1)] = ref_positions.reshape(-1).int()
+        ok = (own >= 0) & (ref_rows >= 0).all(dim=-1)  # [n]
+        okr = ok[:, None].expand_as(ref_rows)
+        self._ref(ref_rows, okr)
+        at = torch.where(okr, ref_rows, self._spare_row).reshape(-1)
+        self.row_pos[at] = ref_positions.reshape(-1).to(torch.int32)
         # A layer narrower than the widest (the format's width) fills a prefix.
-        self.latent[slots, : codes.shape[1]] = codes
-        self.refs[slots] = ref_rows.int()
-        self.pos[slots] = positions.int()
-        self.state[slots] = COMPRESSED
-        self._unref(own)
+        width = codes.shape[1]
+        m = ok[:, None]
+        self.latent[slots, :width] = torch.where(m, codes, self.latent[slots, :width])
+        self.refs[slots] = torch.where(m, ref_rows.int(), self.refs[slots])
+        self.pos[slots] = torch.where(ok, positions.int(), self.pos[slots])
+        self.state[slots] = torch.where(ok, COMPRESSED, self.state[slots])
+        self._unref(own.clamp(min=0), ok)
 
     # -- reads ----------------------------------------------------------------------------
     def read(self, slots: torch.Tensor) -> KVPair:
@@ -279,6 +316,13 @@ class DeltaKVStorage(KVStorage):
         k, v = k.masked_fill(empty, 0), v.masked_fill(empty, 0)
         shape = (*slots.shape, *k.shape[1:])
         return k.view(shape), v.view(shape)
+
+    def read_full(self, slots: torch.Tensor) -> KVPair:
+        """K and V `[..., Hkv, D]` of slots the caller knows to hold full rows (centers,
+        or tokens a masked compression skips where they are not): `read` without
+        finding out on the host which slots need reconstructing."""
+        rows = self.state[slots.long()].clamp(min=0)
+        return self.full_k[rows], self.full_v[rows]
 
     def _reconstruct(self, slots: torch.Tensor) -> KVPair:
         """Post-RoPE K, V `[n, Hkv, D]` float32 of compressed slots `[n]`."""
@@ -343,7 +387,12 @@ class DeltaKVStorage(KVStorage):
         slots = slots.long()
         self.release(slots)
         num = rows[SHARED_K].shape[0]
-        fresh = self._take_rows(num)
+        if num > self.free_rows.num_free:  # a restore waits for the device anyway
+            raise RuntimeError(
+                f"DeltaKV full-precision rows exhausted restoring {num} rows "
+                f"({self.free_rows.num_free} free of {self.num_rows})"
+            )
+        fresh = self.free_rows.take(torch.ones(num, dtype=torch.bool, device=self.device))
         self.full_k[fresh] = rows[SHARED_K].to(self.device, self.dtype)
         self.full_v[fresh] = rows[SHARED_V].to(self.device, self.dtype)
         self.row_pos[fresh] = rows[SHARED_POS].to(self.device)
@@ -351,13 +400,13 @@ class DeltaKVStorage(KVStorage):
         compressed = state == COMPRESSED
         refs = fresh[rows["refs"].to(self.device).long()]  # [n, R]
         self.row_refs[fresh] = 0
-        self._ref(torch.cat([fresh[state[~compressed]], refs[compressed].reshape(-1)]))
+        held = torch.cat([fresh[state[~compressed]], refs[compressed].reshape(-1)])
+        self._ref(held, torch.ones_like(held, dtype=torch.bool))
         self.latent[slots] = rows["latent"].to(self.device)
         self.pos[slots] = rows["pos"].to(self.device)
         self.refs[slots] = torch.where(compressed[:, None], refs, 0).int()
         self.state[slots] = torch.where(compressed, COMPRESSED, fresh[state.clamp(min=0)]).int()
-        unused = fresh[self.row_refs[fresh] == 0]
-        self._free_rows.extend(unused.tolist())
+        self.free_rows.give(fresh, self.row_refs[fresh] == 0)
 
 
 def deltakv_format(

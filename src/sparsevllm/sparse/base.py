@@ -177,6 +177,11 @@ class KVAccess(Protocol):
         """Slot ids of view positions [start, end) at `layer` (host list)."""
         ...
 
+    def view_tensor(self, seq_id: int, layer: int) -> torch.Tensor:
+        """The whole view's slot ids at `layer` on the device, `[L]` int32 (the slot
+        table's row where it is in sync: no host list of a long view to convert)."""
+        ...
+
     def gather_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """K of device slot ids `[...]` at `layer`: `[..., num_kv_heads, head_dim]`."""
         ...

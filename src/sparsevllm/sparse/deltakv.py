@@ -314,6 +314,10 @@ class DeltaKV(SparseMethod):
         scheduler cuts a prompt (another prompt took part of the step) costs only the
         tokens older than the window, which decode reads reconstructed anyway. Sequences
         that compress one token (decode steps) are compressed together."""
+        # The step's stores are done (its tokens were sampled): a full row they could
+        # not get is reported here, not by a wait inside every store.
+        for storage in self.storages.values():
+            storage.check_rows()
         recent = self.config.recent_keep_tokens
         singles: list[tuple[int, int]] = []  # (seq_id, position)
         for step in steps:
@@ -346,44 +350,39 @@ class DeltaKV(SparseMethod):
         return c_pos[is_center(c_pos, spec.sink_tokens, spec.center_stride)]
 
     def _compress(self, seq_id: int, pos: torch.Tensor, kv: KVAccess) -> None:
-        """Compress the full tokens at positions `pos` `[n]` of `seq_id` at every layer
-        (one view serves them all: the method keeps every token, view index = position)."""
-        view = torch.tensor(kv.view_slots(seq_id, self.layers[0]), dtype=torch.long)
-        c_pos = self._centers_before(int(pos.max()))
+        """Compress the tokens at positions `pos` `[n]` of `seq_id` at every layer (one
+        view serves them all: the method keeps every token, view index = position).
+        Tokens that are not full any more stay as they are (DeltaKVStorage.compress):
+        the host never waits to find out which."""
+        view = kv.view_tensor(seq_id, self.layers[0]).long()  # [L] on the device
+        c_pos = self._centers_before(int(pos.max())).to(view.device)  # [M]
+        pos = pos.to(view.device)
+        slots, c_slots = view[pos], view[c_pos]
         for layer in self.layers:
-            storage = self.storages[layer]
-            slots = view[pos].to(storage.device)
-            full = storage.is_full(slots).cpu()
-            if bool(full.any()):
-                self._compress_layer(layer, pos[full], slots[full.to(slots.device)], c_pos, view)
+            self._compress_layer(layer, pos, slots, c_pos, c_slots)
 
     def _compress_layer(
         self,
         layer: int,
-        pos: torch.Tensor,  # [n] positions to compress
+        pos: torch.Tensor,  # [n] positions to compress (device)
         slots: torch.Tensor,  # [n] their slots
         c_pos: torch.Tensor,  # [M] center positions before the last of them
-        view: torch.Tensor,  # [L] the sequence's slots (host)
+        c_slots: torch.Tensor,  # [M] the centers' slots
     ) -> None:
         storage, codec = self.storages[layer], self.codecs[layer]
-        device = storage.device
-        c_slots = view[c_pos].to(device)
-        pos_d, c_pos_d = pos.to(device), c_pos.to(device)
-        xt = codec.vectors(*storage.read(slots), pos_d)  # [n, C]
-        xc = codec.vectors(*storage.read(c_slots), c_pos_d)  # [M, C]
+        # Tokens compressed already read some full row: their codes are not stored.
+        xt = codec.vectors(*storage.read_full(slots), pos)  # [n, C]
+        xc = codec.vectors(*storage.read_full(c_slots), c_pos)  # [M, C]: centers stay full
         shard = codec.shard
-        idx = nearest_centers(xt, pos_d, xc, c_pos_d, self.info.spec.num_references, shard)
+        idx = nearest_centers(xt, pos, xc, c_pos, self.info.spec.num_references, shard)
         latent = shard.compress(layer, xt, xc[idx])  # [n, r]: idx [n, R]
-        storage.compress(slots, pos_d, codec.encode(latent), c_slots[idx], c_pos_d[idx])
+        storage.compress(slots, pos, codec.encode(latent), c_slots[idx], c_pos[idx])
 
     def _compress_singles(self, singles: list[tuple[int, int]], kv: KVAccess) -> None:
         """One token `(seq_id, position)` of each of several sequences (a decode step's
         batch), compressed together: per sequence this is `_compress` of one position.
         Groups hold at most `MAX_SEARCH_ENTRIES` candidate centers, which bounds the
         float32 center vectors a group's search holds (~8 KB each at Llama-3-8B)."""
-        views = [
-            torch.tensor(kv.view_slots(seq, self.layers[0]), dtype=torch.long) for seq, _ in singles
-        ]
         pos = torch.tensor([p for _, p in singles])  # [B]
         c_pos = self._centers_before(int(pos.max()))  # [M]: centers are positional
         counts = torch.searchsorted(c_pos, pos)  # [B] centers before each token
@@ -391,6 +390,7 @@ class DeltaKV(SparseMethod):
             for seq, p in singles:
                 self._compress(seq, torch.tensor([p]), kv)
             return
+        views = [kv.view_tensor(seq, self.layers[0]).long() for seq, _ in singles]
         order = torch.argsort(counts).tolist()  # similar lengths share a group's padding
         group: list[int] = []
         for b in order:
@@ -403,31 +403,28 @@ class DeltaKV(SparseMethod):
     def _compress_group(
         self,
         group: list[int],  # indices into the batch below
-        pos: torch.Tensor,  # [B] each sequence's token
-        views: list[torch.Tensor],  # B views (host slot ids)
-        c_pos: torch.Tensor,  # [M] center positions
-        counts: torch.Tensor,  # [B] centers before each token
+        pos: torch.Tensor,  # [B] each sequence's token (host)
+        views: list[torch.Tensor],  # B views (device slot ids)
+        c_pos: torch.Tensor,  # [M] center positions (host)
+        counts: torch.Tensor,  # [B] centers before each token (host)
     ) -> None:
         """Compress one token of each sequence in `group` at every layer."""
         m = int(counts[group].max())
+        dev = views[0].device
+        c_at = c_pos[:m].to(dev)
         # [G, m] center slots, a sequence's missing ones padded with its first center
         # (masked out of the search).
-        table = torch.stack([_padded(views[b][c_pos[: int(counts[b])]], m) for b in group])
-        slots = torch.stack([views[b][pos[b]] for b in group])  # [G]
-        valid = torch.arange(m)[None, :] < counts[group][:, None]  # [G, m]
+        table = torch.stack([_padded(views[b][c_at[: int(counts[b])]], m) for b in group])
+        slots = torch.stack([views[b][int(pos[b])] for b in group])  # [G]
+        valid = (torch.arange(m)[None, :] < counts[group][:, None]).to(dev)  # [G, m]
+        pos_g = pos[group].to(dev)
         for layer in self.layers:
-            storage = self.storages[layer]
-            dev = storage.device
-            full = storage.is_full(slots.to(dev)).cpu()
-            if bool(full.any()):
-                self._compress_batch_layer(
-                    layer, pos[group][full], slots[full], c_pos[:m], table[full], valid[full]
-                )
+            self._compress_batch_layer(layer, pos_g, slots, c_at, table, valid)
 
     def _compress_batch_layer(
         self,
         layer: int,
-        pos: torch.Tensor,  # [G] one token per sequence
+        pos: torch.Tensor,  # [G] one token per sequence (device)
         slots: torch.Tensor,  # [G]
         c_pos: torch.Tensor,  # [m] center positions (shared)
         table: torch.Tensor,  # [G, m] each sequence's center slots
@@ -435,21 +432,18 @@ class DeltaKV(SparseMethod):
     ) -> None:
         """`_compress_layer` of one token per sequence, the center search batched."""
         storage, codec = self.storages[layer], self.codecs[layer]
-        dev = storage.device
         g, m = table.shape
-        pos_d, c_pos_d, table_d = pos.to(dev), c_pos.to(dev), table.to(dev)
-        slots_d = slots.to(dev)
-        xt = codec.vectors(*storage.read(slots_d), pos_d)  # [G, C]
-        ck, cv = storage.read(table_d.reshape(-1))  # [G * m, Hkv, D]
-        xc = codec.vectors(ck, cv, c_pos_d.repeat(g)).view(g, m, -1)  # [G, m, C]
+        xt = codec.vectors(*storage.read_full(slots), pos)  # [G, C]
+        ck, cv = storage.read_full(table.reshape(-1))  # [G * m, Hkv, D]
+        xc = codec.vectors(ck, cv, c_pos.repeat(g)).view(g, m, -1)  # [G, m, C]
         dot = torch.bmm(xc, xt[:, :, None])[..., 0]  # [G, m]
         dist = (xt * xt).sum(-1, keepdim=True) + (xc * xc).sum(-1) - 2.0 * dot
         dist = codec.shard.sum_over_ranks(dist)  # over ranks: each holds some channels
-        dist = dist.masked_fill(~valid.to(dev), float("inf"))
+        dist = dist.masked_fill(~valid, float("inf"))
         idx = torch.sort(dist, dim=-1, stable=True).indices[:, : self.info.spec.num_references]
         refs = xc.gather(1, idx[..., None].expand(-1, -1, xc.shape[-1]))  # [G, R, C]
         latent = codec.shard.compress(layer, xt, refs)  # [G, r]
-        storage.compress(slots_d, pos_d, codec.encode(latent), table_d.gather(1, idx), c_pos_d[idx])
+        storage.compress(slots, pos, codec.encode(latent), table.gather(1, idx), c_pos[idx])
 
     # -- reconstruct in decode: which compressed tokens a query reads -----------------
     def select_view(
