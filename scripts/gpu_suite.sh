@@ -4,7 +4,7 @@
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
 #          gguf-part | quality | quality-rerun | quality-modes | quality-formats | quality-prefill | formats-kernels | formats-throughput |
 #          capacity-methods | formats-capacity | kivi-graphs | million | mla | deltakv-throughput |
-#          deltakv-quality | tp
+#          deltakv-quality | deltakv-fused | tp
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # /tmp/site: carried wheels (llguidance)
@@ -344,6 +344,23 @@ PY
          --model-config llama3-8b --prompt-len 32768 --batch-size 1 --steps 4 --rows 15 \
          --sparse-method deltakv --config /tmp/dk8b.json --json "$OUT/profile_deltakv_${gpu:-gpu}_32k_b1.json" \
          | tail -24 ;;
+    deltakv-fused)
+      # Issue 16: the fused DeltaKV decode kernel (deltakv_fused_decode) against the
+      # materialising path: its tests, the tile sweep at Llama-3-8B shapes, then DeltaKV
+      # at 32K, batch 1, with and without the kernel in the same call.
+      python -m pytest -q -p no:warnings tests/kernels/test_deltakv_decode.py \
+         tests/kernels/test_triton_deltakv_engine.py tests/gpu/test_deltakv_cuda.py 2>&1 | tail -3
+      timeout ${DK_SWEEP_S:-240} python scripts/deltakv_decode_sweep.py --budget $(( ${DK_SWEEP_S:-240} - 40 )) | tail -40
+      python scripts/deltakv_random_compressor.py --model-config llama3-8b --out /tmp/dk8b.safetensors
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr H h)
+      for fused in no-deltakv-fused-decode deltakv-fused-decode; do
+        timeout ${DK_RUN_S:-240} $M --prompt-len 32768 --output-len 16 --max-model-len 32896 \
+           --batch-size 1 --max-num-seqs 1 --sparse-method deltakv \
+           --deltakv-checkpoint /tmp/dk8b.safetensors --$fused \
+           --json "$OUT/deltakv_${gpu:-gpu}_32k_b1_$fused.json" > "$OUT/deltakv_$fused.log" 2>&1 ||
+          { echo "failed: $fused"; tail -3 "$OUT/deltakv_$fused.log"; }
+        grep -hE '"(decode_tokens_per_s|time_per_output_token_s)"' "$OUT/deltakv_${gpu:-gpu}_32k_b1_$fused.json"
+      done ;;
     mla)
       # Issue 17: the MLA decode kernel on CUDA (tests, accuracy and speed at GLM-4.7-Flash's
       # shapes), then GLM-4.7-Flash at 32K: SnapKV (2,048) at its largest batch beside

@@ -14,7 +14,10 @@ from kernel_env import DEVICE, require_triton
 
 require_triton()
 
-from sparsevllm.attention.triton.decode_deltakv import deltakv_decode_attention  # noqa: E402
+from sparsevllm.attention.triton.decode_deltakv import (  # noqa: E402
+    deltakv_decode_attention,
+    rope_table,
+)
 from sparsevllm.deltakv.compressor import DeltaKVCompressor  # noqa: E402
 from sparsevllm.deltakv.shard import CompressorShard  # noqa: E402
 from sparsevllm.deltakv.spec import DeltaKVSpec  # noqa: E402
@@ -33,7 +36,7 @@ def _storage(hkv, d, r, bits, dtype, rope, extra_bytes, bias=True):
         up.bias = None
     compressor = compressor.to(DEVICE)
     freqs = (1.0 / 10000 ** (torch.arange(0, d, 2) / d)).to(DEVICE) if rope else None
-    codec = TokenCodec(CompressorShard(compressor, (0, hkv)), 0, freqs, bits=bits)
+    codec = TokenCodec(CompressorShard(compressor, (0, hkv)), 0, freqs, bits=bits, fused=True)
     # A slot wider than this layer's code: the layer reads a prefix of its bytes.
     fmt = deltakv_format(codec.code_bytes() + extra_bytes, NREF, 10, 0)
     fmt = dataclasses.replace(fmt, fixed_rows=400)
@@ -42,9 +45,10 @@ def _storage(hkv, d, r, bits, dtype, rope, extra_bytes, bias=True):
     return storage, codec
 
 
-def _views(storage, codec, lens, g):
-    """Sequences of `lens` tokens in shuffled slots: the first NREF + 1 of each and every
-    fifth stay full; the others are compressed against NREF of the full ones."""
+def _views(storage, codec, lens, g, recent=0):
+    """Sequences of `lens` tokens in shuffled slots: the first NREF + 1 of each, every
+    fifth and the last `recent` stay full; the others are compressed against NREF of the
+    full ones."""
     hkv, d = storage.num_kv_heads, storage.head_dim
     perm = torch.randperm(storage.num_slots, generator=g)
     table = torch.zeros((len(lens) + 1, max(lens) + 3), dtype=torch.int32)
@@ -57,7 +61,7 @@ def _views(storage, codec, lens, g):
         v = torch.randn(n, hkv, d, generator=g).to(DEVICE)
         storage.store(k, v, slots.to(DEVICE))
         pos = torch.arange(n)
-        full = (pos <= NREF) | (pos % 5 == 0)
+        full = (pos <= NREF) | (pos % 5 == 0) | (pos >= n - recent)
         cand = pos[full]
         comp = pos[~full]
         if comp.numel() == 0:
@@ -130,3 +134,55 @@ def test_unsupported_head_sizes_are_refused_by_name():
             q, one, one, one, one, full, full, one, torch.zeros(48, 8, device=DEVICE),
             None, None, one[None], one, one, 1.0, q, bits=4,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype,bits,r,bias,block_n,block_r",
+    [
+        (torch.bfloat16, 4, 64, True, 64, 32),
+        (torch.float32, 16, 48, False, 128, 16),  # float16 latents, no bias
+        (torch.bfloat16, 16, 32, True, 64, 16),
+    ],
+)
+def test_large_tiles_full_tiles_and_the_table_end(dtype, bits, r, bias, block_n, block_r):
+    """Tiles of 64 and 128 tokens, tiles of full tokens only (a recent window of 40: they
+    skip the key up-projection), and a cos/sin table exactly as long as the longest view,
+    so its last positions read the table's last row."""
+    g = torch.Generator().manual_seed(2)
+    hkv, d, group = 2, 32, 4
+    storage, codec = _storage(hkv, d, r, bits, dtype, True, 0, bias)
+    lens = [150, 9, 70]
+    table = _views(storage, codec, lens, g, recent=40)
+    rows = torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), hkv * group, d, generator=g).to(DEVICE, dtype)
+    scale = 1 / math.sqrt(d)
+    up = codec.up_map(dtype)
+    assert up is not None and up.freqs is not None
+    rope = rope_table(up.freqs, max(lens))
+    out = torch.empty_like(q)
+    for splits in (None, 2):  # None: the launcher's default (shapes only)
+        deltakv_decode_attention(
+            q, storage.state, storage.latent, storage.refs, storage.pos, storage.full_k,
+            storage.full_v, storage.row_pos, up.weight, up.bias, up.freqs, table, rows,
+            lens_t, scale, out, bits=bits, rope=rope, num_splits=splits, block_n=block_n,
+            block_r=block_r,
+        )  # fmt: skip
+        want = _reference(q, storage, table, rows, lens_t, scale)
+        tol = 2e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
+
+
+def test_rope_table_holds_the_reference_angles():
+    """The table's rows are the cos/sin deltakv/rope.py rotates with, bit for bit."""
+    from sparsevllm.deltakv.rope import rotate
+
+    d = 32
+    freqs = 1.0 / 10000 ** (torch.arange(0, d, 2) / d)
+    cos, sin = rope_table(freqs, 300)
+    pos = torch.tensor([0, 1, 17, 299])
+    x = torch.zeros(4, 1, d)
+    x[..., 0 : d // 2] = 1.0  # rotate-half of (1, 0) pairs: (cos, sin)
+    turned = rotate(x, pos, freqs)[:, 0]
+    assert torch.equal(turned[:, : d // 2], cos[pos])
+    assert torch.equal(turned[:, d // 2 :], sin[pos])

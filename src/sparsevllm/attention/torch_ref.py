@@ -42,11 +42,26 @@ class TorchRefBackend(AttentionBackend):
         window: int | None = None,
         expansion: LatentExpansion | None = None,
     ) -> torch.Tensor:
+        self.store_step(layer, q, k, v, batch, scale, window)
+        return self.attend_stored(layer, q, k, v, batch, scale, window, expansion)
+
+    def store_step(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, Dv]
+        batch: ForwardBatch,
+        scale: float,
+        window: int | None,
+    ) -> None:
+        """Store the step's new K/V in the layer's own format and hand the method their
+        queries: what every step does before attending, whichever path attends (a
+        kernel backend's format adapters call it too)."""
         group = batch.group_of_layer[layer]
         self.storage[layer].store(k, v, batch.slot_mapping[group])
         if window is None:  # sparse methods leave sliding-window layers alone
             batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
-        return self.attend_stored(layer, q, k, v, batch, scale, window, expansion)
 
     def attend_stored(
         self,
@@ -58,12 +73,18 @@ class TorchRefBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         expansion: LatentExpansion | None = None,
+        picked: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, Hq, Dv]
         """`forward` after the new tokens are stored and the method has their queries
-        (a kernel backend hands the steps its kernels do not serve over to this)."""
+        (a kernel backend hands the steps its kernels do not serve over to this).
+        `picked`: the method's decode views for this step, when the caller asked for
+        them already (`select_views` is not asked again)."""
         group = batch.group_of_layer[layer]
         storage = self.storage[layer]
-        picks = _selection(layer, q, batch) if window is None else None
+        if picked is not None:
+            picks: tuple[torch.Tensor, torch.Tensor] | None = (picked[0], picked[1].cpu())
+        else:
+            picks = _selection(layer, q, batch) if window is None else None
         if picks is None and _batched_decode(layer, batch, window):
             out = attend_decode_batch(q, storage, batch, group, scale, window)
             return out if expansion is None else expansion.values(out)

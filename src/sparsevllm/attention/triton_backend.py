@@ -9,7 +9,8 @@ prefill) are computed per KV head through the slot table (`window_attention_mass
 Sliding-window layers pass their window to both kernels; sparse methods leave them
 alone (no logical views, no scores). A quantized storage format (kv/scaled.py) hands the
 kernels its per-token scales: they quantize on store and dequantize in registers. KIVI
-layers (kv/kivi.py) go to attention/triton_kivi.py.
+layers (kv/kivi.py) go to attention/triton_kivi.py, DeltaKV layers (kv/deltakv.py) to
+attention/triton_deltakv.py (never captured: the method compresses on the host).
 
 MLA's latent layout (kv/latent.py, one `[c_kv | k_pe]` row per token whose value is its
 c_kv prefix): the new rows are written by `store_rows` (one buffer), and pure decode
@@ -36,7 +37,9 @@ from sparsevllm.attention.triton import (
     store_rows,
     window_attention_mass,
 )
+from sparsevllm.attention.triton.decode_deltakv import head_dim_readable
 from sparsevllm.attention.triton.prefill_sparse import block_mass, prefill_sparse_attention
+from sparsevllm.attention.triton_deltakv import DeltaKVAttention
 from sparsevllm.attention.triton_kivi import KiviAttention
 from sparsevllm.kv.format import KVFormat, KVStorage
 from sparsevllm.kv.latent import LatentStorage
@@ -51,22 +54,28 @@ class TritonBackend(AttentionBackend):
     ) -> None:
         super().__init__(storage, prefill_sparsity)
         self.kivi = KiviAttention(storage)
+        self.deltakv = DeltaKVAttention(storage)
         # Latent layers' prefill chunks (and sliding windows, which MLA models have not).
         self.reference = TorchRefBackend(storage)
-        # KIVI layers serve selected views and scores through the torch reference, which
-        # waits for the host; their whole-view decode steps (kernel and store) capture.
-        self.graph_views_safe = not any(s.format.kernels == "kivi" for s in storage)
+        # KIVI and DeltaKV layers serve selected views and scores through the torch
+        # reference, which waits for the host; KIVI's whole-view decode steps (kernel
+        # and store) capture, DeltaKV's never do (DeltaKVAttention.decode_captures).
+        self.graph_views_safe = not any(s.format.kernels in ("kivi", "deltakv") for s in storage)
 
     def decode_captures(self, windowed: frozenset[int]) -> bool:
-        return self.kivi.decode_captures(windowed)
+        return self.kivi.decode_captures(windowed) and self.deltakv.decode_captures()
 
     @classmethod
     def serves(cls, layout: SlotLayout, fmt: KVFormat) -> bool:
         # Separate K and V buffers of one head_dim: elements with at most a per-token
-        # scale, or KIVI's packed codes. A shared-KV (MLA latent) buffer: elements with
-        # at most a per-row scale (the model dtype, bf16 / fp16, int8, fp8_e4m3).
+        # scale, KIVI's packed codes, or DeltaKV's latents and full rows (heads the
+        # DeltaKV kernel reads; a layer whose latent it cannot read goes to the
+        # reference). A shared-KV (MLA latent) buffer: elements with at most a per-row
+        # scale (the model dtype, bf16 / fp16, int8, fp8_e4m3).
         if layout.shared_kv:
             return fmt.kernels == "elementwise"
+        if fmt.kernels == "deltakv":
+            return head_dim_readable(layout.head_dim)
         return fmt.kernels in ("elementwise", "kivi")
 
     def forward(
@@ -84,6 +93,8 @@ class TritonBackend(AttentionBackend):
         storage = self.storage[layer]
         if storage.format.kernels == "kivi":
             return self.kivi.forward(layer, q, k, v, batch, scale, window)
+        if storage.format.kernels == "deltakv":
+            return self.deltakv.forward(layer, q, k, v, batch, scale, window)
         if _is_latent(storage):
             return self._latent_forward(layer, q, k, v, batch, scale, window, expansion)
         # Scales (None for the model dtype): the kernels quantize and dequantize with them.

@@ -58,12 +58,10 @@ class KiviAttention:
     ) -> torch.Tensor:  # [T, Hq, D]
         storage = self.storage[layer]
         assert isinstance(storage, KiviStorage)
-        group = batch.group_of_layer[layer]
-        storage.store(k, v, batch.slot_mapping[group])
-        if window is None:  # sparse methods leave sliding-window layers alone
-            batch.sparse.hand_queries(layer, q, k, scale, batch.q_starts, batch.q_lens)
+        self.reference.store_step(layer, q, k, v, batch, scale, window)
         if not self._kernel_serves(layer, storage, batch, window):
             return self.reference.attend_stored(layer, q, k, v, batch, scale, window)
+        group = batch.group_of_layer[layer]
         out = torch.empty_like(q)
         kivi_decode_attention(
             q,

@@ -76,8 +76,9 @@ class LatentDecoder(Protocol):
     """What the method attaches to a layer's storage to read compressed tokens."""
 
     def up_map(self, dtype: torch.dtype) -> UpMap | None:
-        """The layer's up map for a pool of `dtype` (None: not linear, so no kernel
-        reconstructs in registers and reads go through `decode`)."""
+        """The layer's up map for a pool of `dtype` (None: not linear, or the method
+        chose the materialising path, so no kernel reconstructs in registers and reads
+        go through `decode`)."""
         ...
 
     def decode(

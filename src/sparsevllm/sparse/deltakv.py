@@ -80,6 +80,13 @@ class DeltaKVKnobs(MethodKnobs):
         "their base key's score (0: all of them).",
         minimum=0,
     )
+    deltakv_fused_decode: bool = knob(
+        False,
+        "DeltaKV: decode steps over whole views run the fused Triton kernel, which "
+        "reconstructs compressed tokens in registers (CUDA), instead of materialising the "
+        "view for attention. Off by default: the kernel has not been measured faster on "
+        "a GPU yet (docs/benchmarks).",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,8 +111,10 @@ class TokenCodec:
         layer: int,
         freqs: torch.Tensor | None,
         bits: int,
+        fused: bool = False,
     ) -> None:
         self.shard, self.layer, self.freqs, self.bits = shard, layer, freqs, bits
+        self.fused = fused  # hand kernels the up map (deltakv_fused_decode)
         spec = shard.compressor.spec
         self.width = spec.latent_dim(layer)
         self.num_kv_heads, self.head_dim = shard.num_kv_heads, spec.head_dim
@@ -128,8 +137,9 @@ class TokenCodec:
 
     def up_map(self, dtype: torch.dtype) -> UpMap | None:
         """The linear up map in the GEMM dtype of a pool in `dtype` (`_up_weights`), for
-        the decode kernel (attention/triton/decode_deltakv.py); None for an MLP up map."""
-        if self.shard.compressor.spec.hidden_dim:
+        the decode kernel (attention/triton/decode_deltakv.py); None for an MLP up map
+        or without `fused`."""
+        if not self.fused or self.shard.compressor.spec.hidden_dim:
             return None
         weight, bias = self._up_weights(dtype)
         return UpMap(weight, bias, self.freqs, self.bits)
@@ -293,7 +303,11 @@ class DeltaKV(SparseMethod):
             if not isinstance(storage, DeltaKVStorage):
                 raise ValueError(f"deltakv needs its own storage at layer {layer}")
             codec = TokenCodec(
-                self.shard, layer, kv.rope_frequencies(layer), self.knobs.deltakv_latent_bits
+                self.shard,
+                layer,
+                kv.rope_frequencies(layer),
+                self.knobs.deltakv_latent_bits,
+                fused=self.knobs.deltakv_fused_decode,
             )
             storage.attach_decoder(codec)
             self.codecs[layer], self.storages[layer] = codec, storage

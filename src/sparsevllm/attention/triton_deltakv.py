@@ -1,0 +1,152 @@
+"""DeltaKV storage (kv/deltakv.py) inside the Triton backend.
+
+A decode step over whole views, the common step of a long generation and the one whose
+cost grows with the context, runs the DeltaKV decode kernel (attention/triton/
+decode_deltakv.py), which reconstructs compressed tokens in registers from their latent
+codes, their references' full rows and the layer's linear up map. The other steps
+(prefill chunks, a method's selected views, the probabilities a method asks for) and
+layers the kernel cannot read (an MLP up map, shapes outside `check_kernel_shapes`) go
+through the torch reference over the storage's reconstructed reads, on the same device.
+
+Storing is the storage's own (`DeltaKVStorage.store`), done here once per step before
+either path attends. DeltaKV steps are never captured in CUDA graphs: the method
+compresses on the host after every step (TritonBackend.decode_captures and
+graph_views_safe are False when any layer is DeltaKV).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsevllm.attention.backend import ForwardBatch
+from sparsevllm.attention.torch_ref import TorchRefBackend
+from sparsevllm.attention.triton.decode_deltakv import (
+    check_kernel_shapes,
+    deltakv_decode_attention,
+    rope_table,
+)
+from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap
+from sparsevllm.kv.format import KVStorage
+
+RopeTable = tuple[torch.Tensor, torch.Tensor]  # cos, sin [P, D/2] float32
+
+
+def kernel_reads(storage: DeltaKVStorage, up: UpMap) -> bool:
+    """Whether the decode kernel reads this layer: its head_dim, latent width and bits
+    (`check_kernel_shapes`)."""
+    try:
+        check_kernel_shapes(storage.head_dim, up.weight.shape[1], up.bits)
+    except ValueError:
+        return False
+    return True
+
+
+def has_deltakv(storage: list[KVStorage]) -> bool:
+    """Whether any layer stores DeltaKV."""
+    return any(isinstance(s, DeltaKVStorage) for s in storage)
+
+
+class DeltaKVAttention:
+    """The DeltaKV layers' attention: the decode kernel, else the reference."""
+
+    def __init__(self, storage: list[KVStorage]) -> None:
+        self.reference = TorchRefBackend(storage)
+        self.storage = storage
+        # Per layer: the up map the kernel reads, or None for the reference (built once
+        # the method has attached its decoder).
+        self._up: dict[int, UpMap | None] = {}
+        # Per (frequencies, device, positions): the cos/sin table, shared by the layers
+        # of one RoPE (the frequencies tensor is kept with it, so its address stays its).
+        self._rope: dict[tuple[int, torch.device, int], tuple[torch.Tensor, RopeTable]] = {}
+
+    def decode_captures(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: never with a DeltaKV
+        layer, whose method compresses on the host after every step."""
+        return not has_deltakv(self.storage)
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        batch: ForwardBatch,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        storage = self.storage[layer]
+        assert isinstance(storage, DeltaKVStorage)
+        self.reference.store_step(layer, q, k, v, batch, scale, window)
+        up = self._up_map(layer, storage)
+        if up is None or not _whole_view_decode(layer, batch, window):
+            return self.reference.attend_stored(layer, q, k, v, batch, scale, window)
+        # A method with decode views may answer None (whole views: the kernel's case);
+        # asked once, so a narrowed answer goes to the reference without a second search.
+        select_views = batch.sparse.select_views
+        picked = None if select_views is None else select_views(layer, q, batch)
+        if picked is not None:
+            return self.reference.attend_stored(layer, q, k, v, batch, scale, picked=picked)
+        return self._decode(layer, storage, up, q, batch, scale)
+
+    def _decode(
+        self,
+        layer: int,
+        storage: DeltaKVStorage,
+        up: UpMap,
+        q: torch.Tensor,  # [S, Hq, D]
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:  # [S, Hq, D]
+        """The decode kernel over every sequence's whole view."""
+        group = batch.group_of_layer[layer]
+        table = batch.tables[group]  # [num_rows, max_len]
+        rope = None if up.freqs is None else self._rope_table(up.freqs, q.device, table.shape[1])
+        out = torch.empty_like(q)
+        deltakv_decode_attention(
+            q,
+            storage.state,
+            storage.latent,
+            storage.refs,
+            storage.pos,
+            storage.full_k,
+            storage.full_v,
+            storage.row_pos,
+            up.weight,
+            up.bias,
+            up.freqs,
+            table,
+            batch.rows_t,
+            batch.view_lens_t[group],
+            scale,
+            out,
+            bits=up.bits,
+            rope=rope,
+        )
+        return out
+
+    def _up_map(self, layer: int, storage: DeltaKVStorage) -> UpMap | None:
+        """The layer's up map in the pool's dtype when the kernel reads the layer, else
+        None (cached once the decoder is attached)."""
+        if layer in self._up:
+            return self._up[layer]
+        if storage.decoder is None:
+            return None  # not attached yet: the reference raises its own error
+        up = storage.decoder.up_map(storage.dtype)
+        self._up[layer] = up if up is not None and kernel_reads(storage, up) else None
+        return self._up[layer]
+
+    def _rope_table(self, freqs: torch.Tensor, device: torch.device, width: int) -> RopeTable:
+        """The cos/sin table of `freqs` over the slot table's `width` positions (a view
+        index is its position), built once per RoPE."""
+        key = (freqs.data_ptr(), device, width)
+        if key not in self._rope:
+            self._rope[key] = (freqs, rope_table(freqs.to(device), width))
+        return self._rope[key][1]
+
+
+def _whole_view_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:
+    """A decode step the kernel may serve: no window, no probabilities asked (its views
+    are then whole unless the method's selection narrows them)."""
+    if window is not None or not batch.decode_only:
+        return False
+    return not any(batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs))
