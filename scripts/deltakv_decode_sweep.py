@@ -41,7 +41,7 @@ from sparsevllm.deltakv.compressor import DeltaKVCompressor
 from sparsevllm.deltakv.shard import CompressorShard
 from sparsevllm.deltakv.spec import DeltaKVSpec
 from sparsevllm.kv.deltakv import DeltaKVStorage, deltakv_format
-from sparsevllm.sparse.deltakv import TokenCodec
+from sparsevllm.sparse.deltakv_codec import TokenCodec
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from sparsevllm.deltakv.compressor import DeltaKVCompressor  # noqa: E402
 from sparsevllm.deltakv.shard import CompressorShard  # noqa: E402
 from sparsevllm.deltakv.spec import DeltaKVSpec  # noqa: E402
 from sparsevllm.kv.deltakv import COMPRESSED, DeltaKVStorage, deltakv_format  # noqa: E402
-from sparsevllm.sparse.deltakv import TokenCodec  # noqa: E402
+from sparsevllm.sparse.deltakv_codec import TokenCodec  # noqa: E402
 
 NREF = 4
 

@@ -1,5 +1,5 @@
 """DeltaKV's reconstruct-in-decode kernel against the torch path
-(`TokenCodec.decode_reference`, sparse/deltakv.py): the same codes, references and
+(`TokenCodec.decode_reference`, sparse/deltakv_codec.py): the same codes, references and
 positions give the same K and V."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from sparsevllm.attention.triton.deltakv import reconstruct  # noqa: E402
 from sparsevllm.deltakv.compressor import DeltaKVCompressor  # noqa: E402
 from sparsevllm.deltakv.shard import CompressorShard  # noqa: E402
 from sparsevllm.deltakv.spec import DeltaKVSpec  # noqa: E402
-from sparsevllm.sparse.deltakv import TokenCodec  # noqa: E402
+from sparsevllm.sparse.deltakv_codec import TokenCodec  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

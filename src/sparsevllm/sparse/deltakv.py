@@ -18,8 +18,8 @@ the full-precision K/V of sink, centers and recent windows live in shared rows.
   attention/torch_ref.py).
 - *reconstruct in decode*: the storage reads a compressed token as
   up(latent) + mean(its references' pre-RoPE vectors), the key rotated again at its
-  position (`TokenCodec.decode`); the torch reference attention gathers those rows into
-  its scratch tensors. With `deltakv_topk` > 0 a decode query reads the full-precision
+  position (`TokenCodec.decode`, sparse/deltakv_codec.py); the torch reference
+  attention gathers those rows into its scratch tensors. With `deltakv_topk` > 0 a decode query reads the full-precision
   tokens and only the `deltakv_topk` compressed tokens whose base key (the mean of their
   references, rotated at their position) scores highest against it.
 
@@ -34,16 +34,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from sparsevllm.deltakv.centers import is_center
 from sparsevllm.deltakv.checkpoint import CheckpointInfo, load_compressor, read_info
-from sparsevllm.deltakv.compressor import DeltaKVCompressor, join_kv, split_kv
-from sparsevllm.deltakv.latent_codes import PackedLatents, pack_latents, unpack_latents
-from sparsevllm.deltakv.rope import rotate, unrotate
+from sparsevllm.deltakv.compressor import DeltaKVCompressor
 from sparsevllm.deltakv.shard import CompressorShard
-from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap, deltakv_format
-from sparsevllm.kv.format import KVFormat, KVPair, KVStorage
+from sparsevllm.kv.deltakv import DeltaKVStorage, deltakv_format
+from sparsevllm.kv.format import KVFormat, KVStorage
 from sparsevllm.sparse.base import (
     HeadRanks,
     KVAccess,
@@ -52,6 +49,7 @@ from sparsevllm.sparse.base import (
     SeqStep,
     SparseMethod,
 )
+from sparsevllm.sparse.deltakv_codec import TokenCodec, nearest_centers
 from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, MethodSpec, knob
 
 if TYPE_CHECKING:
@@ -99,137 +97,6 @@ class DeltaKVKnobs(MethodKnobs):
             raise ValueError(
                 f"deltakv_latent_bits must be one of {LATENT_BITS}, got {self.deltakv_latent_bits}"
             )
-
-
-class TokenCodec:
-    """One layer's way between pool K/V and codes: pre-RoPE vectors, latents, bytes.
-    Vectors hold this rank's KV heads (`shard`: every head on one rank)."""
-
-    def __init__(
-        self,
-        shard: CompressorShard,
-        layer: int,
-        freqs: torch.Tensor | None,
-        bits: int,
-        fused: bool = False,
-    ) -> None:
-        self.shard, self.layer, self.freqs, self.bits = shard, layer, freqs, bits
-        self.fused = fused  # hand kernels the up map (deltakv_fused_decode)
-        spec = shard.compressor.spec
-        self.width = spec.latent_dim(layer)
-        self.num_kv_heads, self.head_dim = shard.num_kv_heads, spec.head_dim
-        self._up_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]] = {}
-
-    def _up_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The linear up map's weight `[C, r]` and bias `[C]` (this rank's rows) for the
-        GEMM of a pool in `dtype`: float32 for a float32 pool; a 16-bit pool, whose rows
-        hold the result in 16 bits anyway, runs the GEMM in its dtype (float32
-        accumulation) from a copy made once, which reads W_up in half the bytes and runs
-        on the tensor cores."""
-        weight, bias = self.shard.up_rows(self.layer)
-        if dtype.itemsize >= weight.dtype.itemsize:
-            return weight, bias
-        cached = self._up_cache.get(dtype)
-        if cached is None or cached[0].device != weight.device:
-            cached = (weight.to(dtype), None if bias is None else bias.to(dtype))
-            self._up_cache[dtype] = cached
-        return cached
-
-    def up_map(self, dtype: torch.dtype) -> UpMap | None:
-        """The linear up map in the GEMM dtype of a pool in `dtype` (`_up_weights`), for
-        the decode kernel (attention/triton/decode_deltakv.py); None for an MLP up map
-        or without `fused`."""
-        if not self.fused or self.shard.compressor.spec.hidden_dim:
-            return None
-        weight, bias = self._up_weights(dtype)
-        return UpMap(weight, bias, self.freqs, self.bits)
-
-    def code_bytes(self) -> int:
-        return self.width // 2 + 4 if self.bits == 4 else 2 * self.width
-
-    def vectors(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE K, V `[n, Hkv, D]` at positions `[n]` -> vectors `[n, C]` float32
-        (keys turned back to pre-RoPE: what the compressor reads)."""
-        return join_kv(unrotate(k, pos, self.freqs), v.float())
-
-    def encode(self, latent: torch.Tensor) -> torch.Tensor:
-        """Latents `[n, r]` -> stored bytes `[n, code_bytes]` uint8."""
-        if self.bits == 16:
-            return latent.to(torch.float16).contiguous().view(torch.uint8)
-        packed = pack_latents(latent)  # codes [n, r/2], params [n, 1, 2] float16
-        params = packed.params.reshape(latent.shape[0], -1).contiguous().view(torch.uint8)
-        return torch.cat([packed.codes, params], dim=1)
-
-    def latents(self, codes: torch.Tensor) -> torch.Tensor:
-        """Stored bytes `[n, >= code_bytes]` -> latents `[n, r]` float32 (a layer narrower
-        than the widest one uses a prefix of its slot's bytes)."""
-        codes = codes[:, : self.code_bytes()]
-        if self.bits == 16:
-            return _halves(codes).float()
-        half = self.width // 2
-        params = _halves(codes[:, half:]).view(-1, 1, 2)
-        return unpack_latents(PackedLatents(codes[:, :half], params))
-
-    def decode(
-        self,
-        codes: torch.Tensor,  # [n, >= code_bytes] uint8
-        full_k: torch.Tensor,  # [rows, Hkv, D] the storage's full rows (post-RoPE keys)
-        full_v: torch.Tensor,  # [rows, Hkv, D]
-        refs: torch.Tensor,  # [n, R] int64 rows of each token's references
-        row_pos: torch.Tensor,  # [rows] int32 positions of the rows
-        pos: torch.Tensor,  # [n] int64
-    ) -> KVPair:
-        """K (rotated at `pos`), V `[n, Hkv, D]` float32: a GEMM and the Triton epilogue
-        on CUDA for linear up maps, else `decode_reference`."""
-        if codes.is_cuda and self.shard.compressor.spec.hidden_dim == 0:
-            from sparsevllm.attention.triton.deltakv import reconstruct
-
-            weight, bias = self._up_weights(full_k.dtype)
-            y = F.linear(self.latents(codes).to(weight.dtype), weight, bias)  # [n, 2*Hkv*D]
-            return reconstruct(y, full_k, full_v, refs, row_pos, pos, self.freqs)
-        return self.decode_reference(codes, full_k[refs], full_v[refs], row_pos[refs].long(), pos)
-
-    def decode_reference(
-        self,
-        codes: torch.Tensor,  # [n, >= code_bytes]
-        ref_k: torch.Tensor,  # [n, R, Hkv, D]
-        ref_v: torch.Tensor,
-        ref_pos: torch.Tensor,  # [n, R]
-        pos: torch.Tensor,  # [n]
-    ) -> KVPair:
-        """x^ = up(latent) + mean(references), the key rotated at `pos`: `[n, Hkv, D]`."""
-        n, r = ref_pos.shape
-        refs = self.vectors(ref_k.flatten(0, 1), ref_v.flatten(0, 1), ref_pos.reshape(-1))
-        x = self.shard.reconstruct(self.layer, self.latents(codes), refs.view(n, r, -1))
-        k, v = split_kv(x.float(), self.num_kv_heads, self.head_dim)  # [n, Hkv, D] each
-        return rotate(k, pos, self.freqs), v
-
-    def base_keys(
-        self, ref_k: torch.Tensor, ref_pos: torch.Tensor, pos: torch.Tensor
-    ) -> torch.Tensor:
-        """The rotated key part of each token's base: ref_k `[n, R, Hkv, D]` -> `[n, Hkv, D]`."""
-        n, r = ref_pos.shape
-        pre = unrotate(ref_k.flatten(0, 1), ref_pos.reshape(-1), self.freqs)
-        return rotate(pre.view(n, r, *pre.shape[1:]).mean(dim=1), pos, self.freqs)
-
-
-def nearest_centers(
-    xt: torch.Tensor,
-    t_pos: torch.Tensor,
-    xc: torch.Tensor,
-    c_pos: torch.Tensor,
-    count: int,
-    shard: CompressorShard,
-) -> torch.Tensor:
-    """The definition's references (deltakv/centers.py `select_references`) of tokens
-    `xt` `[n, C]` at `t_pos` `[n]` among centers `xc` `[M, C]` at `c_pos` `[M]`: the
-    `count` nearest earlier centers in squared L2, ties to the earlier: `[n, count]`
-    indices into the centers, nearest first. Over ranks, each holds some channels of
-    the vectors: the distances over them are summed before the search."""
-    dist = (xt * xt).sum(-1, keepdim=True) + (xc * xc).sum(-1)[None, :] - 2.0 * (xt @ xc.T)
-    dist = shard.sum_over_ranks(dist)  # [n, M]
-    dist = dist.masked_fill(c_pos[None, :] > t_pos[:, None], float("inf"))  # [n, M]
-    return torch.sort(dist, dim=-1, stable=True).indices[:, :count]
 
 
 class DeltaKV(SparseMethod):
@@ -486,12 +353,6 @@ class DeltaKV(SparseMethod):
         keep = storage.is_full(view).clone()
         keep[best] = True
         return keep.nonzero().flatten()
-
-
-def _halves(data: torch.Tensor) -> torch.Tensor:
-    """Bytes `[n, 2m]` -> float16 `[n, m]`, from a fresh copy: a slice of a slot row
-    starts at any byte (one row counts as contiguous, so `.contiguous()` keeps it)."""
-    return data.clone(memory_format=torch.contiguous_format).view(torch.float16)
 
 
 def _padded(slots: torch.Tensor, width: int) -> torch.Tensor:

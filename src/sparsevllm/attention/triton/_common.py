@@ -136,6 +136,17 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 24
 
 
+def split_workspace(
+    num_seqs: int, num_heads: int, parts: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split-K workspace the decode kernels write and `merge_splits` (decode.py)
+    reads, float32: running max and sum `[S, H, parts]`, accumulator `[S, H, parts,
+    width]`."""
+    ws_m = torch.empty((num_seqs, num_heads, parts), dtype=torch.float32, device=device)
+    ws_acc = torch.empty((num_seqs, num_heads, parts, width), dtype=torch.float32, device=device)
+    return ws_m, torch.empty_like(ws_m), ws_acc
+
+
 def auto_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
     """Fewest splits that give ~PROGRAMS_PER_SM programs per SM, within the view's
     length (MIN_SPLIT_TOKENS per split) and MAX_SPLITS.

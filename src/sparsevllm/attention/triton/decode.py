@@ -38,6 +38,7 @@ from sparsevllm.attention.triton._common import (
     dot_precision,
     next_pow2,
     scale_launch_args,
+    split_workspace,
 )
 
 
@@ -361,13 +362,7 @@ def decode_attention(
     ws_l: torch.Tensor | None = None
     ws_acc: torch.Tensor | None = None
     if num_splits > 1:
-        ws_m = torch.empty(
-            (num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device
-        )
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty(
-            (num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device
-        )
+        ws_m, ws_l, ws_acc = split_workspace(num_seqs, num_q_heads, num_splits, block_d, q.device)
     has_subset = subset is not None
     seq_head = (num_kv_heads, num_seqs) if heads_fastest else (num_seqs, num_kv_heads)
     grid = (*seq_head, num_splits)

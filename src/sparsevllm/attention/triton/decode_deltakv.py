@@ -49,7 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsevllm.attention.triton._common import LOG2E, dot_precision, next_pow2, num_sms
+from sparsevllm.attention.triton._common import (
+    LOG2E,
+    dot_precision,
+    next_pow2,
+    num_sms,
+    split_workspace,
+)
 from sparsevllm.attention.triton.decode import merge_splits
 from sparsevllm.attention.triton.kivi_planes import softmax_step
 
@@ -438,9 +444,7 @@ def deltakv_decode_attention(
     cos, sin = _rope_args(freqs, rope, table.shape[1], head_dim, q.device)
     if num_splits is None:
         num_splits = deltakv_num_splits(num_seqs, num_kv_heads, table.shape[1], q.device)
-    ws_m = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_acc = torch.empty((*ws_m.shape, head_dim), dtype=torch.float32, device=q.device)
+    ws_m, ws_l, ws_acc = split_workspace(num_seqs, num_q_heads, num_splits, head_dim, q.device)
     group = num_q_heads // num_kv_heads
     plane = width // 2 if bits == 4 else width  # latent channels per plane
     _deltakv_decode_kernel[(num_kv_heads, num_seqs, num_splits)](

@@ -40,7 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsevllm.attention.triton._common import LOG2E, auto_num_splits, dot_precision, next_pow2
+from sparsevllm.attention.triton._common import (
+    LOG2E,
+    auto_num_splits,
+    dot_precision,
+    next_pow2,
+    split_workspace,
+)
 from sparsevllm.attention.triton.decode import merge_splits
 from sparsevllm.attention.triton.decode_kivi_rest import kivi_rest_kernel
 from sparsevllm.attention.triton.kivi_planes import (
@@ -299,11 +305,7 @@ def kivi_decode_attention(
     if num_splits is None:
         num_splits = auto_num_splits(num_seqs, num_kv_heads, table.shape[1], q.device)
     # Part i < num_splits: split i of the one-group tiles; the last part: the rest.
-    ws_m = torch.empty(
-        (num_seqs, num_q_heads, num_splits + 1), dtype=torch.float32, device=q.device
-    )
-    ws_l = torch.empty_like(ws_m)
-    ws_acc = torch.empty((*ws_m.shape, head_dim), dtype=torch.float32, device=q.device)
+    ws_m, ws_l, ws_acc = split_workspace(num_seqs, num_q_heads, num_splits + 1, head_dim, q.device)
     group = num_q_heads // num_kv_heads
     block_g = next_pow2(group) if block_g is None else block_g
     common: dict[str, int | str] = dict(

@@ -39,6 +39,7 @@ from sparsevllm.attention.triton._common import (
     dot_precision,
     next_pow2,
     num_sms,
+    split_workspace,
 )
 from sparsevllm.attention.triton.decode import merge_splits, normalize_scores
 from sparsevllm.kv.scaled import QMAX
@@ -419,6 +420,4 @@ def _workspace(
     BLOCK_R]`, float32; None for one split (the kernel writes the output)."""
     if splits == 1:
         return None
-    ws_m = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=device)
-    ws_acc = torch.empty((num_seqs, num_heads, splits, block_r), dtype=torch.float32, device=device)
-    return ws_m, torch.empty_like(ws_m), ws_acc
+    return split_workspace(num_seqs, num_heads, splits, block_r, device)

@@ -1,6 +1,6 @@
 """DeltaKV's reconstruct-in-decode (linear up maps): a GEMM and a Triton epilogue.
 
-What `TokenCodec.decode` (sparse/deltakv.py) computes with torch, for n compressed
+What `TokenCodec.decode` (sparse/deltakv_codec.py) computes with torch, for n compressed
 tokens at once:
 
     y      = up(latent)                                 the caller's up map, one GEMM
