@@ -176,12 +176,24 @@ def test_closed_pipe_exits_quietly():
     assert proc.returncode == 141 and proc.stderr == ""
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_quietly_with_130(tiny_llama):
     """Problem 5: Ctrl-C during generate printed a traceback."""
     env = {**os.environ, "PYTHONPATH": SRC}
     cmd = [sys.executable, "-m", "sparsevllm.cli", "generate", "--model", tiny_llama]
     cmd += ["--prompt", "w1", "--batch-size", "4", "--max-tokens", "2000", "--ignore-eos"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # A shell's background job starts with SIGINT ignored, and Python keeps an inherited
+    # SIG_IGN, so the child restores the default a terminal's foreground job would have.
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=_sigint_default,
+    )
     err = b""
     try:
         assert proc.stderr is not None
