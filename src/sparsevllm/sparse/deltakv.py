@@ -49,7 +49,7 @@ from sparsevllm.sparse.base import (
     SeqStep,
     SparseMethod,
 )
-from sparsevllm.sparse.deltakv_codec import TokenCodec, nearest_centers
+from sparsevllm.sparse.deltakv_codec import RopeTables, TokenCodec, nearest_centers
 from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, MethodSpec, knob
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ if TYPE_CHECKING:
 
 LATENT_BITS = (4, 16)
 # Candidate centers one batched search of decode tokens holds at most (summed over its
-# sequences): 65,536 float32 vectors, 512 MiB at Llama-3-8B's 2 x 8 x 128 channels.
+# sequences): 65,536 float32 vectors, 512 MiB at Llama-3-8B's 2 x 8 x 128 channels, in
+# the torch search (on CUDA the search kernel holds their distances only).
 MAX_SEARCH_ENTRIES = 1 << 16
 
 
@@ -165,6 +166,7 @@ class DeltaKV(SparseMethod):
         heads = kv.head_ranks()
         self._check_shape(heads)
         self.shard = CompressorShard(compressor, (heads.start, heads.stop), heads.reduce)
+        rope_tables = RopeTables()  # the center search kernel's, shared by the layers
         for layer in self.layers:
             storage = storages[layer]
             if not isinstance(storage, DeltaKVStorage):
@@ -175,6 +177,7 @@ class DeltaKV(SparseMethod):
                 kv.rope_frequencies(layer),
                 self.knobs.deltakv_latent_bits,
                 fused=self.knobs.deltakv_fused_decode,
+                rope_tables=rope_tables,
             )
             storage.attach_decoder(codec)
             self.codecs[layer], self.storages[layer] = codec, storage
@@ -299,8 +302,9 @@ class DeltaKV(SparseMethod):
         slots = torch.stack([views[b][int(pos[b])] for b in group])  # [G]
         valid = (torch.arange(m)[None, :] < counts[group][:, None]).to(dev)  # [G, m]
         pos_g = pos[group].to(dev)
+        span = int(c_pos[m - 1]) + 1  # positions the centers lie below (host)
         for layer in self.layers:
-            self._compress_batch_layer(layer, pos_g, slots, c_at, table, valid)
+            self._compress_batch_layer(layer, pos_g, slots, c_at, table, valid, span)
 
     def _compress_batch_layer(
         self,
@@ -310,21 +314,24 @@ class DeltaKV(SparseMethod):
         c_pos: torch.Tensor,  # [m] center positions (shared)
         table: torch.Tensor,  # [G, m] each sequence's center slots
         valid: torch.Tensor,  # [G, m] bool: a center of that sequence before its token
+        span: int,  # > every center position
     ) -> None:
-        """`_compress_layer` of one token per sequence, the center search batched."""
+        """`_compress_layer` of one token per sequence, the center search batched. The
+        search reads only distances `[G, m]` (on CUDA a kernel reads the centers' rows in
+        place); only the chosen centers' vectors are built."""
         storage, codec = self.storages[layer], self.codecs[layer]
-        g, m = table.shape
+        g = table.shape[0]
+        nref = self.info.spec.num_references
         xt = codec.vectors(*storage.read_full(slots), pos)  # [G, C]
-        ck, cv = storage.read_full(table.reshape(-1))  # [G * m, Hkv, D]
-        xc = codec.vectors(ck, cv, c_pos.repeat(g)).view(g, m, -1)  # [G, m, C]
-        dot = torch.bmm(xc, xt[:, :, None])[..., 0]  # [G, m]
-        dist = (xt * xt).sum(-1, keepdim=True) + (xc * xc).sum(-1) - 2.0 * dot
+        dist = codec.center_distances(storage, xt, table, c_pos, valid, span)  # [G, m]
         dist = codec.shard.sum_over_ranks(dist)  # over ranks: each holds some channels
         dist = dist.masked_fill(~valid, float("inf"))
-        idx = torch.sort(dist, dim=-1, stable=True).indices[:, : self.info.spec.num_references]
-        refs = xc.gather(1, idx[..., None].expand(-1, -1, xc.shape[-1]))  # [G, R, C]
+        idx = torch.sort(dist, dim=-1, stable=True).indices[:, :nref]  # [G, R]
+        ref_slots, ref_pos = table.gather(1, idx), c_pos[idx]  # [G, R] each
+        rk, rv = storage.read_full(ref_slots.reshape(-1))  # [G * R, Hkv, D]
+        refs = codec.vectors(rk, rv, ref_pos.reshape(-1)).view(g, nref, -1)  # [G, R, C]
         latent = codec.shard.compress(layer, xt, refs)  # [G, r]
-        storage.compress(slots, pos, codec.encode(latent), table.gather(1, idx), c_pos[idx])
+        storage.compress(slots, pos, codec.encode(latent), ref_slots, ref_pos)
 
     # -- reconstruct in decode: which compressed tokens a query reads -----------------
     def select_view(

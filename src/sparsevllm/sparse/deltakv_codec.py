@@ -6,7 +6,9 @@ compressor's vectors (keys turned back to pre-RoPE), latents and the stored byte
 (INT4 codes with their scale and zero point, or float16 values), and reads compressed
 tokens back as up(latent) + mean(references), the key rotated at its position. It also
 hands kernels its linear up map (`up_map`) when the method serves decode through the
-fused kernel (attention/triton/decode_deltakv.py).
+fused kernel (attention/triton/decode_deltakv.py). At decode it also measures each
+sequence's candidate centers against the token it compresses (`center_distances`): on
+CUDA a kernel reads the centers' full rows in place (attention/triton/deltakv_search.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,37 @@ from sparsevllm.deltakv.compressor import join_kv, split_kv
 from sparsevllm.deltakv.latent_codes import PackedLatents, pack_latents, unpack_latents
 from sparsevllm.deltakv.rope import rotate, unrotate
 from sparsevllm.deltakv.shard import CompressorShard
-from sparsevllm.kv.deltakv import UpMap
+from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap
 from sparsevllm.kv.format import KVPair
+
+RopeTable = tuple[torch.Tensor, torch.Tensor]  # cos, sin [P, D/2] float32
+# Fewest positions a cos/sin table covers: it grows by doubling, so a few rebuilds at
+# most per generation.
+MIN_ROPE_POSITIONS = 1024
+
+
+class RopeTables:
+    """The center search kernel's cos/sin tables (`rope_table`, decode_deltakv.py), one
+    per RoPE (frequencies tensor and device), grown as positions pass them. A method
+    hands one to all its layers' codecs: they share the model's frequencies, and a
+    table is ~0.5 KB per position at D 128 (16 MiB at 32K)."""
+
+    def __init__(self) -> None:
+        # The frequencies are kept with their table, so their address stays theirs.
+        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, RopeTable]] = {}
+
+    def get(self, freqs: torch.Tensor, device: torch.device, num_positions: int) -> RopeTable:
+        """cos, sin `[P, D/2]` of `freqs` on `device`, P >= `num_positions`."""
+        from sparsevllm.attention.triton._common import next_pow2
+        from sparsevllm.attention.triton.decode_deltakv import rope_table
+
+        key = (freqs.data_ptr(), device)
+        hit = self._tables.get(key)
+        if hit is None or hit[1][0].shape[0] < num_positions:
+            size = max(MIN_ROPE_POSITIONS, next_pow2(num_positions))
+            hit = (freqs, rope_table(freqs.to(device), size))
+            self._tables[key] = hit
+        return hit[1]
 
 
 class TokenCodec:
@@ -33,9 +64,12 @@ class TokenCodec:
         freqs: torch.Tensor | None,
         bits: int,
         fused: bool = False,
+        rope_tables: RopeTables | None = None,
     ) -> None:
         self.shard, self.layer, self.freqs, self.bits = shard, layer, freqs, bits
         self.fused = fused  # hand kernels the up map (deltakv_fused_decode)
+        # The center search kernel's cos/sin tables (shared by a method's layers).
+        self.rope_tables = rope_tables if rope_tables is not None else RopeTables()
         spec = shard.compressor.spec
         self.width = spec.latent_dim(layer)
         self.num_kv_heads, self.head_dim = shard.num_kv_heads, spec.head_dim
@@ -72,6 +106,36 @@ class TokenCodec:
         """Post-RoPE K, V `[n, Hkv, D]` at positions `[n]` -> vectors `[n, C]` float32
         (keys turned back to pre-RoPE: what the compressor reads)."""
         return join_kv(unrotate(k, pos, self.freqs), v.float())
+
+    def center_distances(
+        self,
+        storage: DeltaKVStorage,
+        xt: torch.Tensor,  # [G, C] float32: each sequence's token vector
+        table: torch.Tensor,  # [G, m] each sequence's candidate centers' slots (full)
+        c_pos: torch.Tensor,  # [m] the centers' positions (shared)
+        valid: torch.Tensor,  # [G, m] bool: a real center of that sequence
+        num_positions: int,  # > every center position (sizes the kernel's cos/sin table)
+    ) -> torch.Tensor:  # [G, m] float32
+        """Squared L2 distances between the tokens and their centers over this rank's
+        channels, +inf where not `valid`. On CUDA the search kernel reads the centers'
+        rows in place (attention/triton/deltakv_search.py: the same distances up to
+        float32 rounding); elsewhere the torch reference, which gathers the centers'
+        vectors `[G, m, C]` (and any odd head size, which the kernel's halves cannot
+        split)."""
+        if xt.is_cuda and self.head_dim % 2 == 0:
+            from sparsevllm.attention.triton.deltakv_search import center_distances
+
+            rope = None
+            if self.freqs is not None:
+                rope = self.rope_tables.get(self.freqs, xt.device, num_positions)
+            st, fk, fv = storage.state, storage.full_k, storage.full_v
+            return center_distances(xt, fk, fv, st, table, c_pos, valid, rope)
+        g, m = table.shape
+        ck, cv = storage.read_full(table.reshape(-1))  # [G * m, Hkv, D]
+        xc = self.vectors(ck, cv, c_pos.repeat(g)).view(g, m, -1)  # [G, m, C]
+        dot = torch.bmm(xc, xt[:, :, None])[..., 0]  # [G, m]
+        dist = (xt * xt).sum(-1, keepdim=True) + (xc * xc).sum(-1) - 2.0 * dot
+        return dist.masked_fill(~valid, float("inf"))
 
     def encode(self, latent: torch.Tensor) -> torch.Tensor:
         """Latents `[n, r]` -> stored bytes `[n, code_bytes]` uint8."""
