@@ -314,7 +314,7 @@ PY
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr H h)
       for n in ${DK_LENS-32768 131072}; do
         for m in ${DK_METHODS-vanilla snapkv deltakv}; do
-          knobs=""; [ $m = snapkv ] && knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK"
+          knobs=""; [ $m = snapkv ] && knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK ${DK_KNOBS:-}"
           # 128K: the prompt leaves room for the output inside max_position_embeddings.
           pl=$n; [ $n -gt 65536 ] && pl=$((n - 128))
           timeout ${DK_RUN_S:-240} $M --prompt-len $pl --output-len 16 --max-model-len $((pl + 128)) \
@@ -329,7 +329,7 @@ PY
       for n in ${DK_MAX_LENS-32768}; do
         pl=$n; [ $n -gt 65536 ] && pl=$((n - 128))
         for m in ${DK_MAX_METHODS-deltakv}; do
-          knobs=""; [ $m = snapkv ] && knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK"
+          knobs=""; [ $m = snapkv ] && knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK ${DK_KNOBS:-}"
           f="$OUT/deltakv_${gpu:-gpu}_${m}_$((n / 1024))k_max_cap.json"
           timeout ${DK_MAX_RUN_S:-${DK_RUN_S:-240}} $M --prompt-len $pl --output-len ${DK_MAX_OUT:-16} \
              --max-model-len $((pl + 128)) --max-batch --decode-capacity --max-num-seqs ${DK_MAX_SEQS:-1024} \
@@ -348,9 +348,9 @@ PY
       # Issue 16: the fused DeltaKV decode kernel (deltakv_fused_decode) against the
       # materialising path: its tests, the tile sweep at Llama-3-8B shapes, then DeltaKV
       # at 32K, batch 1, with and without the kernel in the same call.
-      python -m pytest -q -p no:warnings tests/kernels/test_deltakv_decode.py \
+      python -m pytest -q -p no:warnings tests/kernels/test_deltakv_decode.py tests/kernels/test_deltakv_search.py \
          tests/kernels/test_triton_deltakv_engine.py tests/gpu/test_deltakv_cuda.py 2>&1 | tail -3
-      timeout ${DK_SWEEP_S:-240} python scripts/deltakv_decode_sweep.py --budget $(( ${DK_SWEEP_S:-240} - 40 )) | tail -40
+      [ "${DK_SWEEP_S:-240}" -gt 0 ] && timeout ${DK_SWEEP_S:-240} python scripts/deltakv_decode_sweep.py --budget $(( ${DK_SWEEP_S:-240} - 40 )) | tail -40
       python scripts/deltakv_random_compressor.py --model-config llama3-8b --out /tmp/dk8b.safetensors
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr H h)
       for fused in no-deltakv-fused-decode deltakv-fused-decode; do

@@ -97,6 +97,16 @@ def test_decode_batches_searched_in_small_groups_equal_the_reference(
         assert_same(out, ref.generate(prompt, 512, GREEDY.max_tokens), ref)
 
 
+def test_long_compressions_searched_in_blocks_equal_the_reference(model, checkpoint, monkeypatch):
+    """A prompt chunk's (or a finished view's) tokens search their centers in blocks of
+    bounded distances; blocks of a token or two give the same tokens."""
+    monkeypatch.setattr(deltakv_method, "MAX_SEARCH_CELLS", 2)
+    outs = deltakv(model, checkpoint).generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(MATRIX_PROMPTS, outs):
+        ref = ReferenceServing(model, checkpoint, RECENT)
+        assert_same(out, ref.generate(prompt, 512, GREEDY.max_tokens), ref)
+
+
 def test_layers_of_different_latent_widths(model, tmp_path):
     """The slots are as wide as the widest layer's code; narrower layers use a prefix."""
     ckpt = make_checkpoint(model, tmp_path / "w.safetensors", latent=(8, 16, 4, 16))

@@ -391,7 +391,9 @@ def deltakv_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torc
     length (DELTAKV_MIN_SPLIT_TOKENS per split) and DELTAKV_MAX_SPLITS. Depends on
     shapes only (never on the lengths' values)."""
     base = max(1, batch * num_kv_heads)
-    want = -(-DELTAKV_PROGRAMS_PER_SM * num_sms(device) // base)  # ceil
+    # A power of two: on the H100 (Llama-3-8B shapes, 32K views) 50 splits took 1.56 ms
+    # where 32 and 64 took 1.29 (docs/benchmarks, session 31's sweep).
+    want = next_pow2(-(-DELTAKV_PROGRAMS_PER_SM * num_sms(device) // base))  # ceil
     by_len = max(1, max_len // DELTAKV_MIN_SPLIT_TOKENS)
     return max(1, min(want, by_len, DELTAKV_MAX_SPLITS))
 
@@ -417,11 +419,13 @@ def deltakv_decode_attention(
     bits: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # rope_table(freqs, P)
     num_splits: int | None = None,
-    block_n: int = 64,
-    block_r: int = 32,
-    # 8 warps: a program holds the latent accumulator (2 x 16 x 256 floats at r 512)
-    # beside a 64-token tile's key halves and reference rows; 4 would spill.
-    num_warps: int = 8,
+    # The H100 sweep's best at Llama-3-8B shapes (scripts/deltakv_decode_sweep.py,
+    # docs/benchmarks): 32-token tiles, 64 latent channels a step, 4 warps. 64-token
+    # tiles spill 2-3x more registers and ran 2.2x slower; 8 warps spill less and run
+    # 1.1x slower.
+    block_n: int = 32,
+    block_r: int = 64,
+    num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole view in DeltaKV storage
