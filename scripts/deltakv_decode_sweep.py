@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from sparsevllm.attention.triton import decode_deltakv as dk
 from sparsevllm.deltakv.compressor import DeltaKVCompressor
+from sparsevllm.deltakv.rope import rope_table
 from sparsevllm.deltakv.shard import CompressorShard
 from sparsevllm.deltakv.spec import DeltaKVSpec
 from sparsevllm.kv.deltakv import DeltaKVStorage, deltakv_format
@@ -110,7 +111,7 @@ def build(shapes: Shapes, device: torch.device, dtype: torch.dtype) -> Bench:
         slots = perm[i * shapes.length : (i + 1) * shapes.length]
         table[i + 1] = slots.int()
         fill_view(storage, codec, slots, shapes)
-    return Bench(storage, codec, table, shapes, dk.rope_table(freqs, shapes.length))
+    return Bench(storage, codec, table, shapes, rope_table(freqs, shapes.length))
 
 
 def fill_view(

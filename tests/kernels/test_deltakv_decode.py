@@ -14,11 +14,9 @@ from kernel_env import DEVICE, require_triton
 
 require_triton()
 
-from sparsevllm.attention.triton.decode_deltakv import (  # noqa: E402
-    deltakv_decode_attention,
-    rope_table,
-)
+from sparsevllm.attention.triton.decode_deltakv import deltakv_decode_attention  # noqa: E402
 from sparsevllm.deltakv.compressor import DeltaKVCompressor  # noqa: E402
+from sparsevllm.deltakv.rope import rope_table  # noqa: E402
 from sparsevllm.deltakv.shard import CompressorShard  # noqa: E402
 from sparsevllm.deltakv.spec import DeltaKVSpec  # noqa: E402
 from sparsevllm.kv.deltakv import COMPRESSED, DeltaKVStorage, deltakv_format  # noqa: E402

@@ -23,12 +23,10 @@ from sparsevllm.attention.torch_ref import TorchRefBackend
 from sparsevllm.attention.triton.decode_deltakv import (
     check_kernel_shapes,
     deltakv_decode_attention,
-    rope_table,
 )
+from sparsevllm.deltakv.rope import RopeTables
 from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap
 from sparsevllm.kv.format import KVStorage
-
-RopeTable = tuple[torch.Tensor, torch.Tensor]  # cos, sin [P, D/2] float32
 
 
 def kernel_reads(storage: DeltaKVStorage, up: UpMap) -> bool:
@@ -55,9 +53,8 @@ class DeltaKVAttention:
         # Per layer: the up map the kernel reads, or None for the reference (built once
         # the method has attached its decoder).
         self._up: dict[int, UpMap | None] = {}
-        # Per (frequencies, device, positions): the cos/sin table, shared by the layers
-        # of one RoPE (the frequencies tensor is kept with it, so its address stays its).
-        self._rope: dict[tuple[int, torch.device, int], tuple[torch.Tensor, RopeTable]] = {}
+        # The kernel's cos/sin tables, shared by the layers of one RoPE.
+        self._rope = RopeTables()
 
     def decode_captures(self) -> bool:
         """Whether a decode step can be captured in a CUDA graph: never with a DeltaKV
@@ -100,7 +97,8 @@ class DeltaKVAttention:
         """The decode kernel over every sequence's whole view."""
         group = batch.group_of_layer[layer]
         table = batch.tables[group]  # [num_rows, max_len]
-        rope = None if up.freqs is None else self._rope_table(up.freqs, q.device, table.shape[1])
+        # A view index is its position: the slot table's width covers every position.
+        rope = None if up.freqs is None else self._rope.get(up.freqs, q.device, table.shape[1])
         out = torch.empty_like(q)
         deltakv_decode_attention(
             q,
@@ -134,14 +132,6 @@ class DeltaKVAttention:
         up = storage.decoder.up_map(storage.dtype)
         self._up[layer] = up if up is not None and kernel_reads(storage, up) else None
         return self._up[layer]
-
-    def _rope_table(self, freqs: torch.Tensor, device: torch.device, width: int) -> RopeTable:
-        """The cos/sin table of `freqs` over the slot table's `width` positions (a view
-        index is its position), built once per RoPE."""
-        key = (freqs.data_ptr(), device, width)
-        if key not in self._rope:
-            self._rope[key] = (freqs, rope_table(freqs.to(device), width))
-        return self._rope[key][1]
 
 
 def _whole_view_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:

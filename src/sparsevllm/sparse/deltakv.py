@@ -38,6 +38,7 @@ import torch
 from sparsevllm.deltakv.centers import is_center
 from sparsevllm.deltakv.checkpoint import CheckpointInfo, load_compressor, read_info
 from sparsevllm.deltakv.compressor import DeltaKVCompressor
+from sparsevllm.deltakv.rope import RopeTables
 from sparsevllm.deltakv.shard import CompressorShard
 from sparsevllm.kv.deltakv import DeltaKVStorage, deltakv_format
 from sparsevllm.kv.format import KVFormat, KVStorage
@@ -49,7 +50,7 @@ from sparsevllm.sparse.base import (
     SeqStep,
     SparseMethod,
 )
-from sparsevllm.sparse.deltakv_codec import RopeTables, TokenCodec, nearest_centers
+from sparsevllm.sparse.deltakv_codec import TokenCodec, nearest_centers
 from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, MethodSpec, knob
 
 if TYPE_CHECKING:

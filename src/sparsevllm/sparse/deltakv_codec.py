@@ -18,39 +18,10 @@ import torch.nn.functional as F
 
 from sparsevllm.deltakv.compressor import join_kv, split_kv
 from sparsevllm.deltakv.latent_codes import PackedLatents, pack_latents, unpack_latents
-from sparsevllm.deltakv.rope import rotate, unrotate
+from sparsevllm.deltakv.rope import RopeTables, rotate, unrotate
 from sparsevllm.deltakv.shard import CompressorShard
 from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap
 from sparsevllm.kv.format import KVPair
-
-RopeTable = tuple[torch.Tensor, torch.Tensor]  # cos, sin [P, D/2] float32
-# Fewest positions a cos/sin table covers: it grows by doubling, so a few rebuilds at
-# most per generation.
-MIN_ROPE_POSITIONS = 1024
-
-
-class RopeTables:
-    """The center search kernel's cos/sin tables (`rope_table`, decode_deltakv.py), one
-    per RoPE (frequencies tensor and device), grown as positions pass them. A method
-    hands one to all its layers' codecs: they share the model's frequencies, and a
-    table is ~0.5 KB per position at D 128 (16 MiB at 32K)."""
-
-    def __init__(self) -> None:
-        # The frequencies are kept with their table, so their address stays theirs.
-        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, RopeTable]] = {}
-
-    def get(self, freqs: torch.Tensor, device: torch.device, num_positions: int) -> RopeTable:
-        """cos, sin `[P, D/2]` of `freqs` on `device`, P >= `num_positions`."""
-        from sparsevllm.attention.triton._common import next_pow2
-        from sparsevllm.attention.triton.decode_deltakv import rope_table
-
-        key = (freqs.data_ptr(), device)
-        hit = self._tables.get(key)
-        if hit is None or hit[1][0].shape[0] < num_positions:
-            size = max(MIN_ROPE_POSITIONS, next_pow2(num_positions))
-            hit = (freqs, rope_table(freqs.to(device), size))
-            self._tables[key] = hit
-        return hit[1]
 
 
 class TokenCodec:

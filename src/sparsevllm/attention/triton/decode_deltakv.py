@@ -32,8 +32,8 @@ one, rescales both in the online softmax, and up-projects once at its end:
 `acc_h + acc_z W_v^T`. That halves the W_up traffic and the dots of v1 (which built V
 per tile).
 
-RoPE angles come from a cos/sin table `[P, D/2]` float32 (`rope_table`, computed with
-torch as deltakv/rope.py does, so its values are the reference's own) instead of five
+RoPE angles come from a cos/sin table `[P, D/2]` float32 (`rope_table`, deltakv/rope.py:
+the values `rotate` and `unrotate` use, so the reference's own) instead of five
 libdevice sin/cos per element and token. The tile's K, the p @ V operands and the latent
 accumulator are rounded to the model dtype before their dots (what the torch path's
 16-bit view holds); accumulation is float32.
@@ -58,6 +58,7 @@ from sparsevllm.attention.triton._common import (
 )
 from sparsevllm.attention.triton.decode import merge_splits
 from sparsevllm.attention.triton.kivi_planes import softmax_step
+from sparsevllm.deltakv.rope import RopeTable, rope_table
 
 COMPRESSED = tl.constexpr(-2)  # kv/deltakv.py's state of a compressed slot
 
@@ -375,17 +376,6 @@ def _deltakv_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     tl.store(w_at + HALF, acc_hi, mask=g_mask[:, None])
 
 
-def rope_table(freqs: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[num_positions, D/2]` float32 of positions 0..num_positions-1 and the RoPE
-    frequencies `[D/2]`, computed as deltakv/rope.py's `_angles` does (float32 positions
-    times float32 frequencies, then torch's cos and sin on the frequencies' device), so
-    the kernel reads the values the torch reconstruction uses. Build it once and pass it
-    to every call (~0.5 KB per position at D 128: 16 MiB at 32K)."""
-    positions = torch.arange(num_positions, device=freqs.device)
-    angles = positions.to(torch.float32)[:, None] * freqs.to(torch.float32)  # [P, D/2]
-    return angles.cos().contiguous(), angles.sin().contiguous()
-
-
 def deltakv_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
     """Fewest splits that give ~DELTAKV_PROGRAMS_PER_SM programs per SM, within the view's
     length (DELTAKV_MIN_SPLIT_TOKENS per split) and DELTAKV_MAX_SPLITS. Depends on
@@ -417,7 +407,7 @@ def deltakv_decode_attention(
     out: torch.Tensor,  # [S, Hq, D]
     *,
     bits: int,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # rope_table(freqs, P)
+    rope: RopeTable | None = None,  # rope_table(freqs, P), deltakv/rope.py
     num_splits: int | None = None,
     # The H100 sweep's best at Llama-3-8B shapes (scripts/deltakv_decode_sweep.py,
     # docs/benchmarks): 32-token tiles, 64 latent channels a step, 4 warps. 64-token
@@ -469,7 +459,7 @@ def deltakv_decode_attention(
 
 def _rope_args(
     freqs: torch.Tensor | None,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    rope: RopeTable | None,
     width: int,
     head_dim: int,
     device: torch.device,

@@ -13,7 +13,7 @@ full row (`state[slot]`, clamped at 0 as `DeltaKVStorage.read_full` does), reads
 row's key (post-RoPE, the model dtype) and value in chunks of BLOCK_D channels, turns
 the key back by the center's position in registers (rotate-half: channels d and
 d + D/2 pair up, so a head is walked as two halves, with cos/sin from the table
-`rope_table` builds, decode_deltakv.py), and accumulates (x_c - x_t)^2 in float32. The
+`rope_table` builds, deltakv/rope.py), and accumulates (x_c - x_t)^2 in float32. The
 centers' rows are read once, in their stored width; nothing per center is written but
 its distance.
 
@@ -37,8 +37,7 @@ import triton
 import triton.language as tl
 
 from sparsevllm.attention.triton._common import check_last_dim_contiguous, next_pow2
-
-RopeTable = tuple[torch.Tensor, torch.Tensor]  # cos, sin [P, D/2] float32 (rope_table)
+from sparsevllm.deltakv.rope import RopeTable
 
 # Centers per program: a tile of BLOCK_M x BLOCK_D holds a key half, its partner, their
 # cos/sin and the accumulator, ~5 x 16 floats per thread at 32 x 64 and 4 warps.
