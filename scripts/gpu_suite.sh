@@ -307,8 +307,9 @@ PY
       # 512 = kv_dim / 4, stride 10, 4 references): decode at 32K and 128K, batch 1 and
       # DeltaKV's largest batch at 32K, beside vanilla and SnapKV (2,048); a profile of
       # DeltaKV's 32K decode steps. DK_LENS / DK_METHODS (batch 1) and DK_MAX_LENS /
-      # DK_MAX_METHODS (largest batch) choose a subset; DK_MAX_OUT / DK_MAX_RUN_S the
-      # largest-batch runs' output tokens and time limit, DK_MAX_SEQS their max_num_seqs.
+      # DK_MAX_METHODS (largest batch) choose a subset; DK_OUT the batch-1 runs' output
+      # tokens (default 16); DK_MAX_OUT / DK_MAX_RUN_S the largest-batch runs' output
+      # tokens and time limit, DK_MAX_SEQS their max_num_seqs.
       python scripts/deltakv_random_compressor.py --model-config llama3-8b --out /tmp/dk8b.safetensors
       DK="--deltakv-checkpoint /tmp/dk8b.safetensors"
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr H h)
@@ -317,7 +318,7 @@ PY
           knobs=""; [ $m = snapkv ] && knobs="--decode-keep-tokens 2048"; [ $m = deltakv ] && knobs="$DK ${DK_KNOBS:-}"
           # 128K: the prompt leaves room for the output inside max_position_embeddings.
           pl=$n; [ $n -gt 65536 ] && pl=$((n - 128))
-          timeout ${DK_RUN_S:-240} $M --prompt-len $pl --output-len 16 --max-model-len $((pl + 128)) \
+          timeout ${DK_RUN_S:-240} $M --prompt-len $pl --output-len ${DK_OUT:-16} --max-model-len $((pl + 128)) \
              --batch-size 1 --max-num-seqs 1 --sparse-method $m $knobs \
              --json "$OUT/deltakv_${gpu:-gpu}_${m}_$((n / 1024))k_b1.json" > "$OUT/deltakv_${m}_${n}_b1.log" 2>&1 ||
             echo "failed: $m $n"

@@ -3,9 +3,9 @@ and a plain reference of serving (Hugging Face transformers, one sequence, no en
 
 The reference keeps the model's cache as plain `[1, Hkv, T, D]` tensors and applies the
 rule of sparse/deltakv.py by hand: after every forward (a prompt chunk or one decode
-token) ending at position `end`, every token p < end - recent that is neither a center
-nor one of the first `sink` is
-replaced, once, by its reconstruction from the definition
+token) ending at position `end`, every token p < end - recent (rounded down to a
+multiple of `interval`, `deltakv_compress_interval`) that is neither a center nor one of
+the first `sink` is replaced, once, by its reconstruction from the definition
 (deltakv/: pre-RoPE vector, its nearest centers among the exact ones, latent, INT4 or
 float16 storage, up-projection plus the references' mean, key rotated back); `flush`
 does the same for every such token (what the prefix store adopts; `generate` flushes
@@ -79,6 +79,7 @@ class ReferenceServing:
         sink: int = 4,
         bits: int = 4,
         device: str = "cpu",
+        interval: int = 1,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -89,6 +90,7 @@ class ReferenceServing:
         self.compressor = compressor.to(self.device)
         self.spec = info.spec
         self.recent, self.sink, self.bits = recent, max(sink, self.spec.sink_tokens), bits
+        self.interval = interval
         self.freqs = self.hf.model.rotary_emb.inv_freq.float()
         self.cache = None
         self.length = 0
@@ -103,7 +105,7 @@ class ReferenceServing:
         )
         self.cache = out.past_key_values
         self.length += len(ids)
-        self.compress_before(self.length - self.recent)
+        self.compress_before(max(0, self.length - self.recent) // self.interval * self.interval)
         logp = out.logits[0, -1].float().log_softmax(-1)
         token = int(logp.argmax())
         return token, float(logp[token])

@@ -24,6 +24,7 @@ from sparsevllm.deltakv.compressor import join_kv, split_kv
 from sparsevllm.deltakv.latent_codes import quantize_latents
 from sparsevllm.deltakv.rope import rotate, unrotate
 from sparsevllm.sparse import deltakv as deltakv_method
+from sparsevllm.sparse import deltakv_codec
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
 FIRST = [1] + [(5 * i) % 240 + 3 for i in range(90)]
@@ -43,6 +44,7 @@ def checkpoint(model, tmp_path_factory) -> str:
 
 def deltakv(model: str, checkpoint: str, **kw) -> LLM:
     kw.setdefault("recent_keep_tokens", RECENT)
+    kw.setdefault("deltakv_compress_interval", 1)  # the reference's default
     return LLM(model, sparse_method="deltakv", deltakv_checkpoint=checkpoint, **kw)
 
 
@@ -72,14 +74,25 @@ def test_budgets_covering_the_context_give_vanilla(model, checkpoint, chunk, bud
     assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla]
 
 
-@pytest.mark.parametrize("bits,chunk", [(4, 512), (16, 512), (4, 7)])
-def test_tokens_equal_the_plain_reference(model, checkpoint, bits, chunk):
-    llm = deltakv(model, checkpoint, deltakv_latent_bits=bits, chunk_prefill_size=chunk)
+@pytest.mark.parametrize(
+    "bits,chunk,interval", [(4, 512, 1), (16, 512, 1), (4, 7, 1), (4, 512, 16), (4, 7, 5)]
+)
+def test_tokens_equal_the_plain_reference(model, checkpoint, bits, chunk, interval):
+    """Tokens leave the recent window one by one (interval 1) or in blocks of positions
+    (a decode step compresses a block once it is whole; a prompt chunk up to a block's
+    start), batched over the step's sequences either way."""
+    llm = deltakv(
+        model,
+        checkpoint,
+        deltakv_latent_bits=bits,
+        chunk_prefill_size=chunk,
+        deltakv_compress_interval=interval,
+    )
     outs = llm.generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
     vanilla = LLM(model, chunk_prefill_size=chunk).generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
     differs = 0
     for prompt, out, plain in zip(MATRIX_PROMPTS, outs, vanilla):
-        ref = ReferenceServing(model, checkpoint, RECENT, bits=bits)
+        ref = ReferenceServing(model, checkpoint, RECENT, bits=bits, interval=interval)
         assert_same(out, ref.generate(prompt, chunk, GREEDY.max_tokens), ref)
         differs += out.token_ids != plain.token_ids
     assert differs  # compression changed what the model read
@@ -90,7 +103,7 @@ def test_decode_batches_searched_in_small_groups_equal_the_reference(
 ):
     """A decode step compresses its sequences' tokens together, in groups bounded by
     the centers they search; groups of one sequence give the same tokens."""
-    monkeypatch.setattr(deltakv_method, "MAX_SEARCH_ENTRIES", 1)
+    monkeypatch.setattr(deltakv_codec, "MAX_SEARCH_ENTRIES", 1)
     outs = deltakv(model, checkpoint).generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
     for prompt, out in zip(MATRIX_PROMPTS, outs):
         ref = ReferenceServing(model, checkpoint, RECENT)

@@ -38,8 +38,8 @@ def cuda_llm(model: str, **kw) -> LLM:
     return LLM(model, device="cuda", dtype="float32", kv_cache_memory_gb=0.5, **kw)
 
 
-@pytest.mark.parametrize("bits,chunk", [(4, 512), (16, 512), (4, 7)])
-def test_tokens_equal_the_reference_on_the_gpu(model, checkpoint, bits, chunk):
+@pytest.mark.parametrize("bits,chunk,interval", [(4, 512, 1), (16, 512, 16), (4, 7, 5)])
+def test_tokens_equal_the_reference_on_the_gpu(model, checkpoint, bits, chunk, interval):
     llm = cuda_llm(
         model,
         sparse_method="deltakv",
@@ -47,10 +47,13 @@ def test_tokens_equal_the_reference_on_the_gpu(model, checkpoint, bits, chunk):
         recent_keep_tokens=RECENT,
         deltakv_latent_bits=bits,
         chunk_prefill_size=chunk,
+        deltakv_compress_interval=interval,
     )
     outs = llm.generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
     for prompt, out in zip(MATRIX_PROMPTS, outs):
-        ref = ReferenceServing(model, checkpoint, RECENT, bits=bits, device="cuda")
+        ref = ReferenceServing(
+            model, checkpoint, RECENT, bits=bits, device="cuda", interval=interval
+        )
         assert out.token_ids == ref.generate(prompt, chunk, GREEDY.max_tokens)
         got = [t.logprob for t in out.logprobs]
         assert got == pytest.approx(ref.logprobs, abs=1e-3)

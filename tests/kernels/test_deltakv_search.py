@@ -1,7 +1,8 @@
 """DeltaKV's center search kernel (attention/triton/deltakv_search.py) against the torch
 reference: the centers' vectors built by the codec (`TokenCodec.vectors`, keys turned
 back to pre-RoPE) and the squared distance written out, on full rows in shuffled slots
-of a `DeltaKVStorage`; and the codec's routing (`TokenCodec.center_distances`)."""
+of a `DeltaKVStorage`; and the codec's search over tokens that share their sequence's
+candidates (`TokenCodec.center_distances`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from sparsevllm.deltakv.rope import rope_table  # noqa: E402
 from sparsevllm.deltakv.shard import CompressorShard  # noqa: E402
 from sparsevllm.deltakv.spec import DeltaKVSpec  # noqa: E402
 from sparsevllm.kv.deltakv import DeltaKVStorage, deltakv_format  # noqa: E402
-from sparsevllm.sparse.deltakv_codec import TokenCodec  # noqa: E402
+from sparsevllm.sparse.deltakv_codec import CenterCandidates, TokenCodec  # noqa: E402
 
 NREF = 4
 TOL = 1e-5  # of the distances' scale: float32 sums of C squared differences
@@ -137,22 +138,26 @@ def test_one_sequence_one_tile_and_empty_batches():
     assert none.shape == (0, NREF + 2)
 
 
-def test_the_codec_measures_as_the_method_did():
-    """`TokenCodec.center_distances`: on CPU the expanded formula `_compress_batch_layer`
-    computed before the kernel existed, bit for bit; on CUDA the kernel, within TOL."""
-    case = _case(2, 32, torch.bfloat16, True, 6, 29)
-    g, m = case.table.shape
-    got = case.codec.center_distances(
-        case.storage, case.xt, case.table, case.c_pos, case.valid, int(case.c_pos[-1]) + 1
-    )
-    if got.is_cuda:
-        _assert_matches(got, _reference(case), case.valid)
-        return
-    ck, cv = case.storage.read_full(case.table.reshape(-1))
-    xc = case.codec.vectors(ck, cv, case.c_pos.repeat(g)).view(g, m, -1)
-    dot = torch.bmm(xc, case.xt[:, :, None])[..., 0]
-    before = (case.xt * case.xt).sum(-1, keepdim=True) + (xc * xc).sum(-1) - 2.0 * dot
-    assert torch.equal(got, before.masked_fill(~case.valid, float("inf")))
+def test_the_codec_measures_tokens_sharing_their_sequences_centers():
+    """`TokenCodec.center_distances` of a batch of several tokens per sequence (a
+    decode step's blocks): on CPU each sequence's center vectors built once, on CUDA the
+    kernel over each token's row; both equal the reference within TOL and pick its
+    references."""
+    case = _case(2, 32, torch.bfloat16, True, 3, 29)
+    sizes = [2, 1, 3]
+    row = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes)).to(DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    xt = (3 * torch.randn(sum(sizes), case.xt.shape[1], generator=gen)).to(DEVICE)
+    counts = torch.tensor([29, 20, 29, 5, 17, 29])  # a token's centers: a prefix
+    valid = (torch.arange(29)[None, :] < counts[:, None]).to(DEVICE)
+    cand = CenterCandidates(
+        seq_table=case.table, sizes=sizes, table=case.table[row], valid=valid,
+        c_pos=case.c_pos, span=int(case.c_pos[-1]) + 1,
+    )  # fmt: skip
+    got = case.codec.center_distances(case.storage, xt, cand)
+    per_token = dataclasses.replace(case, xt=xt, table=cand.table, valid=valid)
+    want = _reference(per_token)
+    _assert_same_choice(got, want, _assert_matches(got, want, valid))
 
 
 def test_bad_layouts_are_refused():

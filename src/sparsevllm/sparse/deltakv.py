@@ -7,8 +7,9 @@ decides when and where: it brings its own storage format (kv/deltakv.py, through
 the full-precision K/V of sink, centers and recent windows live in shared rows.
 
 - *compress on store*: after every step, each of the step's sequences compresses the
-  tokens that left its recent window (positions [start - recent, end - recent) of the
-  step, centers and the first `sink_keep_tokens` excepted). A view the prefix store
+  tokens that left its recent window, in blocks of `deltakv_compress_interval`
+  positions (positions [floor(start - recent), floor(end - recent)) of the step, floor
+  to a multiple of the interval, centers and the first `sink_keep_tokens` excepted). A view the prefix store
   adopts (a finished request's radix entry or idle chain) is compressed whole first
   (`finish_view`), so cached KV holds only sinks, centers and latents: a radix hit or a
   chain continuation reads what a request reads after a finished request's prefix. A
@@ -50,7 +51,7 @@ from sparsevllm.sparse.base import (
     SeqStep,
     SparseMethod,
 )
-from sparsevllm.sparse.deltakv_codec import TokenCodec, nearest_centers
+from sparsevllm.sparse.deltakv_codec import CenterCandidates, TokenCodec, nearest_centers
 from sparsevllm.sparse.spec import DecodeViews, MethodKnobs, MethodSpec, knob
 
 if TYPE_CHECKING:
@@ -58,13 +59,12 @@ if TYPE_CHECKING:
     from sparsevllm.calibration.schema import ModelIdentity
 
 LATENT_BITS = (4, 16)
-# Candidate centers one batched search of decode tokens holds at most (summed over its
-# sequences): 65,536 float32 vectors, 512 MiB at Llama-3-8B's 2 x 8 x 128 channels, in
-# the torch search (on CUDA the search kernel holds their distances only).
-MAX_SEARCH_ENTRIES = 1 << 16
 # Token-center distances one search of a sequence's tokens holds at most: 64 MiB of
 # float32 (a prompt chunk, or a whole view compressed before the prefix store adopts it).
 MAX_SEARCH_CELLS = 1 << 24
+# A sequence with at most this many tokens to compress in a step (decode steps, short
+# chunks) joins the step's batched search; more (a prompt chunk) searches on its own.
+BATCHED_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,16 @@ class DeltaKVKnobs(MethodKnobs):
         "DeltaKV: compressed tokens a decode query reconstructs and reads, the best by "
         "their base key's score (0: all of them).",
         minimum=0,
+    )
+    deltakv_compress_interval: int = knob(
+        16,
+        "DeltaKV: tokens leave the recent window for compression in blocks of this many "
+        "positions (positions below a multiple of it), so the window holds between "
+        "recent_keep_tokens and recent_keep_tokens + interval - 1 full tokens and a "
+        "sequence compresses once every `interval` decode steps: the per-step "
+        "compression, a few hundred small operations per layer, is amortised. 1: every "
+        "token as it leaves the window.",
+        minimum=1,
     )
     deltakv_fused_decode: bool = knob(
         True,
@@ -161,7 +171,8 @@ class DeltaKV(SparseMethod):
         bits = self.knobs.deltakv_latent_bits
         width = max(spec.latent_dims)
         code = width // 2 + 4 if bits == 4 else 2 * width
-        full = self._sink() + self.config.recent_keep_tokens + spec.center_stride + 1
+        interval = self.knobs.deltakv_compress_interval
+        full = self._sink() + self.config.recent_keep_tokens + interval + spec.center_stride
         return deltakv_format(code, spec.num_references, spec.center_stride, full)
 
     def attach_storage(self, storages: Sequence[KVStorage], kv: KVAccess) -> None:
@@ -200,24 +211,27 @@ class DeltaKV(SparseMethod):
         """Compress what left the recent window, after a prompt chunk as after a decode
         token: the next chunk reads the window before it in full precision, so where the
         scheduler cuts a prompt (another prompt took part of the step) costs only the
-        tokens older than the window, which decode reads reconstructed anyway. Sequences
-        that compress one token (decode steps) are compressed together."""
+        tokens older than the window, which decode reads reconstructed anyway. Tokens
+        leave in blocks of `deltakv_compress_interval` positions; sequences with a few
+        tokens to compress (decode steps) are compressed together."""
         # The step's stores are done (its tokens were sampled): a full row they could
         # not get is reported here, not by a wait inside every store.
         for storage in self.storages.values():
             storage.check_rows()
-        recent = self.config.recent_keep_tokens
-        singles: list[tuple[int, int]] = []  # (seq_id, position)
+        few: list[tuple[int, torch.Tensor]] = []  # (seq_id, positions)
         for step in steps:
-            pos = self._compressible(max(0, step.start - recent), step.end - recent)
-            if pos.numel() == 1:
-                singles.append((step.seq_id, int(pos[0])))
+            pos = self._compressible(self._window_start(step.start), self._window_start(step.end))
+            if 0 < pos.numel() <= BATCHED_TOKENS:
+                few.append((step.seq_id, pos))
             elif pos.numel():
                 self._compress(step.seq_id, pos, kv)
-        if len(singles) == 1:
-            self._compress(singles[0][0], torch.tensor([singles[0][1]]), kv)
-        elif singles:
-            self._compress_singles(singles, kv)
+        if few:
+            self._compress_few(few, kv)
+
+    def _window_start(self, end: int) -> int:
+        """The first position a sequence of `end` tokens keeps full in its window."""
+        interval = self.knobs.deltakv_compress_interval
+        return max(0, end - self.config.recent_keep_tokens) // interval * interval
 
     def finish_view(self, seq_id: int, kv: KVAccess) -> None:
         """Before the prefix store adopts the view: compress its recent window too."""
@@ -270,75 +284,88 @@ class DeltaKV(SparseMethod):
         latent = shard.compress(layer, xt, xc[idx])  # [n, r]: idx [n, R]
         storage.compress(slots, pos, codec.encode(latent), c_slots[idx], c_pos[idx])
 
-    def _compress_singles(self, singles: list[tuple[int, int]], kv: KVAccess) -> None:
-        """One token `(seq_id, position)` of each of several sequences (a decode step's
-        batch), compressed together: per sequence this is `_compress` of one position.
-        Groups hold at most `MAX_SEARCH_ENTRIES` candidate centers, which bounds the
-        float32 center vectors a group's search holds (~8 KB each at Llama-3-8B)."""
-        pos = torch.tensor([p for _, p in singles])  # [B]
-        c_pos = self._centers_before(int(pos.max()))  # [M]: centers are positional
-        counts = torch.searchsorted(c_pos, pos)  # [B] centers before each token
-        if int(counts.min()) < self.info.spec.num_references:  # only within the sink
-            for seq, p in singles:
-                self._compress(seq, torch.tensor([p]), kv)
+    def _compress_few(self, few: list[tuple[int, torch.Tensor]], kv: KVAccess) -> None:
+        """A few tokens `(seq_id, positions [n])` of each of several sequences (a decode
+        step's batch), compressed together: per sequence this is `_compress` of its
+        positions. A group's search holds its tokens x its widest candidate centers,
+        bounded by the codec (`TokenCodec.search_limit`: center vectors on the CPU,
+        distances only on CUDA); sequences of similar lengths share a group's padding."""
+        c_pos = self._centers_before(max(int(p[-1]) for _, p in few))  # [M]: positional
+        first = torch.searchsorted(c_pos, torch.stack([p[0] for _, p in few]))  # [B]
+        if int(first.min()) < self.info.spec.num_references:  # only within the sink
+            for seq, p in few:
+                self._compress(seq, p, kv)
             return
-        views = [kv.view_tensor(seq, self.layers[0]).long() for seq, _ in singles]
-        order = torch.argsort(counts).tolist()  # similar lengths share a group's padding
+        reach = torch.searchsorted(c_pos, torch.stack([p[-1] for _, p in few]))  # [B]
+        views = [kv.view_tensor(seq, self.layers[0]).long() for seq, _ in few]
+        limit = self.codecs[self.layers[0]].search_limit(views[0].device)
         group: list[int] = []
-        for b in order:
-            if group and (len(group) + 1) * int(counts[b]) > MAX_SEARCH_ENTRIES:
-                self._compress_group(group, pos, views, c_pos, counts)
-                group = []
+        tokens = 0
+        for b in torch.argsort(reach, stable=True).tolist():
+            n = few[b][1].numel()
+            if group and (tokens + n) * int(reach[b]) > limit:
+                self._compress_group(group, few, views, c_pos, reach)
+                group, tokens = [], 0
             group.append(b)
-        self._compress_group(group, pos, views, c_pos, counts)
+            tokens += n
+        self._compress_group(group, few, views, c_pos, reach)
 
     def _compress_group(
         self,
-        group: list[int],  # indices into the batch below
-        pos: torch.Tensor,  # [B] each sequence's token (host)
-        views: list[torch.Tensor],  # B views (device slot ids)
+        group: list[int],  # indices into `few`
+        few: list[tuple[int, torch.Tensor]],  # (seq_id, positions [n] host, ascending)
+        views: list[torch.Tensor],  # their views (device slot ids)
         c_pos: torch.Tensor,  # [M] center positions (host)
-        counts: torch.Tensor,  # [B] centers before each token (host)
+        reach: torch.Tensor,  # [B] centers before each sequence's last token (host)
     ) -> None:
-        """Compress one token of each sequence in `group` at every layer."""
-        m = int(counts[group].max())
+        """Compress the positions of the sequences in `group` at every layer."""
+        m = int(reach[group].max())
         dev = views[0].device
         c_at = c_pos[:m].to(dev)
-        # [G, m] center slots, a sequence's missing ones padded with its first center
-        # (masked out of the search).
-        table = torch.stack([_padded(views[b][c_at[: int(counts[b])]], m) for b in group])
-        slots = torch.stack([views[b][int(pos[b])] for b in group])  # [G]
-        valid = (torch.arange(m)[None, :] < counts[group][:, None]).to(dev)  # [G, m]
-        pos_g = pos[group].to(dev)
-        span = int(c_pos[m - 1]) + 1  # positions the centers lie below (host)
+        # [S, m] each sequence's center slots, padded with its first center (masked out
+        # of the search); a token's row is its sequence's.
+        seq_table = torch.stack([_padded(views[b][c_at[: int(reach[b])]], m) for b in group])
+        pos = torch.cat([few[b][1] for b in group])  # [T] host
+        sizes = [few[b][1].numel() for b in group]
+        row = torch.repeat_interleave(torch.arange(len(group)), torch.tensor(sizes))  # [T]
+        pos_d = pos.to(dev)
+        slots = torch.cat(
+            [views[b][part] for b, part in zip(group, pos_d.split(sizes), strict=True)]
+        )  # [T]
+        counts = torch.searchsorted(c_pos[:m], pos)  # [T] centers before each token
+        cand = CenterCandidates(
+            seq_table=seq_table,
+            sizes=sizes,
+            table=seq_table[row.to(dev)],
+            valid=(torch.arange(m)[None, :] < counts[:, None]).to(dev),
+            c_pos=c_at,
+            span=int(c_pos[m - 1]) + 1,
+        )
         for layer in self.layers:
-            self._compress_batch_layer(layer, pos_g, slots, c_at, table, valid, span)
+            self._compress_batch_layer(layer, pos_d, slots, cand)
 
     def _compress_batch_layer(
         self,
         layer: int,
-        pos: torch.Tensor,  # [G] one token per sequence (device)
-        slots: torch.Tensor,  # [G]
-        c_pos: torch.Tensor,  # [m] center positions (shared)
-        table: torch.Tensor,  # [G, m] each sequence's center slots
-        valid: torch.Tensor,  # [G, m] bool: a center of that sequence before its token
-        span: int,  # > every center position
+        pos: torch.Tensor,  # [T] tokens of one or more sequences (device)
+        slots: torch.Tensor,  # [T]
+        cand: CenterCandidates,
     ) -> None:
-        """`_compress_layer` of one token per sequence, the center search batched. The
-        search reads only distances `[G, m]` (on CUDA a kernel reads the centers' rows in
+        """`_compress_layer` of tokens of several sequences, the center search batched. The
+        search reads only distances `[T, m]` (on CUDA a kernel reads the centers' rows in
         place); only the chosen centers' vectors are built."""
         storage, codec = self.storages[layer], self.codecs[layer]
-        g = table.shape[0]
+        t = slots.shape[0]
         nref = self.info.spec.num_references
-        xt = codec.vectors(*storage.read_full(slots), pos)  # [G, C]
-        dist = codec.center_distances(storage, xt, table, c_pos, valid, span)  # [G, m]
+        xt = codec.vectors(*storage.read_full(slots), pos)  # [T, C]
+        dist = codec.center_distances(storage, xt, cand)  # [T, m]
         dist = codec.shard.sum_over_ranks(dist)  # over ranks: each holds some channels
-        dist = dist.masked_fill(~valid, float("inf"))
-        idx = torch.sort(dist, dim=-1, stable=True).indices[:, :nref]  # [G, R]
-        ref_slots, ref_pos = table.gather(1, idx), c_pos[idx]  # [G, R] each
-        rk, rv = storage.read_full(ref_slots.reshape(-1))  # [G * R, Hkv, D]
-        refs = codec.vectors(rk, rv, ref_pos.reshape(-1)).view(g, nref, -1)  # [G, R, C]
-        latent = codec.shard.compress(layer, xt, refs)  # [G, r]
+        dist = dist.masked_fill(~cand.valid, float("inf"))
+        idx = torch.sort(dist, dim=-1, stable=True).indices[:, :nref]  # [T, R]
+        ref_slots, ref_pos = cand.table.gather(1, idx), cand.c_pos[idx]  # [T, R] each
+        rk, rv = storage.read_full(ref_slots.reshape(-1))  # [T * R, Hkv, D]
+        refs = codec.vectors(rk, rv, ref_pos.reshape(-1)).view(t, nref, -1)  # [T, R, C]
+        latent = codec.shard.compress(layer, xt, refs)  # [T, r]
         storage.compress(slots, pos, codec.encode(latent), ref_slots, ref_pos)
 
     # -- reconstruct in decode: which compressed tokens a query reads -----------------

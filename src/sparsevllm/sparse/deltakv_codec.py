@@ -13,6 +13,8 @@ CUDA a kernel reads the centers' full rows in place (attention/triton/deltakv_se
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,29 @@ from sparsevllm.deltakv.rope import RopeTables, rotate, unrotate
 from sparsevllm.deltakv.shard import CompressorShard
 from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap
 from sparsevllm.kv.format import KVPair
+
+# Candidate centers one batched search of decode tokens holds at most (summed over its
+# tokens) where it gathers their vectors (the torch search): 65,536 float32 vectors,
+# 512 MiB at Llama-3-8B's 2 x 8 x 128 channels.
+MAX_SEARCH_ENTRIES = 1 << 16
+# The same where the search kernel reads the centers in place and holds only their
+# distances: 64 MiB of float32.
+MAX_KERNEL_SEARCH_ENTRIES = 1 << 24
+
+
+@dataclass(frozen=True)
+class CenterCandidates:
+    """The candidate centers of a batch of tokens to compress, a few tokens of each of
+    several sequences, grouped by sequence in order (`sizes[i]` tokens of sequence i).
+    Centers are positional, so every sequence has the same candidate positions, padded
+    to the widest sequence's `m`; a token's own row is its sequence's."""
+
+    seq_table: torch.Tensor  # [S, m] each sequence's center slots (padding: any full slot)
+    sizes: list[int]  # [S] tokens of each sequence
+    table: torch.Tensor  # [T, m] each token's sequence's row of seq_table
+    valid: torch.Tensor  # [T, m] bool: a center before the token
+    c_pos: torch.Tensor  # [m] the centers' positions
+    span: int  # > every center position (sizes the search kernel's cos/sin table)
 
 
 class TokenCodec:
@@ -78,35 +103,41 @@ class TokenCodec:
         (keys turned back to pre-RoPE: what the compressor reads)."""
         return join_kv(unrotate(k, pos, self.freqs), v.float())
 
+    def search_limit(self, device: torch.device) -> int:
+        """Token x candidate-center entries one batched search (`center_distances`) may
+        hold on `device`."""
+        if self._search_kernel(device):
+            return MAX_KERNEL_SEARCH_ENTRIES
+        return MAX_SEARCH_ENTRIES
+
+    def _search_kernel(self, device: torch.device) -> bool:
+        # The kernel splits keys into rotate-half halves: an odd head size cannot.
+        return device.type == "cuda" and self.head_dim % 2 == 0
+
     def center_distances(
-        self,
-        storage: DeltaKVStorage,
-        xt: torch.Tensor,  # [G, C] float32: each sequence's token vector
-        table: torch.Tensor,  # [G, m] each sequence's candidate centers' slots (full)
-        c_pos: torch.Tensor,  # [m] the centers' positions (shared)
-        valid: torch.Tensor,  # [G, m] bool: a real center of that sequence
-        num_positions: int,  # > every center position (sizes the kernel's cos/sin table)
-    ) -> torch.Tensor:  # [G, m] float32
-        """Squared L2 distances between the tokens and their centers over this rank's
-        channels, +inf where not `valid`. On CUDA the search kernel reads the centers'
-        rows in place (attention/triton/deltakv_search.py: the same distances up to
-        float32 rounding); elsewhere the torch reference, which gathers the centers'
-        vectors `[G, m, C]` (and any odd head size, which the kernel's halves cannot
-        split)."""
-        if xt.is_cuda and self.head_dim % 2 == 0:
+        self, storage: DeltaKVStorage, xt: torch.Tensor, cand: CenterCandidates
+    ) -> torch.Tensor:  # [T, m] float32
+        """Squared L2 distances between the tokens `xt` `[T, C]` (float32) and their
+        candidate centers over this rank's channels, +inf where not `cand.valid`. On
+        CUDA the search kernel reads the centers' rows in place
+        (attention/triton/deltakv_search.py); elsewhere (and for an odd head size, which
+        the kernel's halves cannot split) the torch reference builds each sequence's
+        centers' vectors `[m, C]` once and measures its tokens against them."""
+        if self._search_kernel(xt.device):
             from sparsevllm.attention.triton.deltakv_search import center_distances
 
             rope = None
             if self.freqs is not None:
-                rope = self.rope_tables.get(self.freqs, xt.device, num_positions)
+                rope = self.rope_tables.get(self.freqs, xt.device, cand.span)
             st, fk, fv = storage.state, storage.full_k, storage.full_v
-            return center_distances(xt, fk, fv, st, table, c_pos, valid, rope)
-        g, m = table.shape
-        ck, cv = storage.read_full(table.reshape(-1))  # [G * m, Hkv, D]
-        xc = self.vectors(ck, cv, c_pos.repeat(g)).view(g, m, -1)  # [G, m, C]
-        dot = torch.bmm(xc, xt[:, :, None])[..., 0]  # [G, m]
-        dist = (xt * xt).sum(-1, keepdim=True) + (xc * xc).sum(-1) - 2.0 * dot
-        return dist.masked_fill(~valid, float("inf"))
+            return center_distances(xt, fk, fv, st, cand.table, cand.c_pos, cand.valid, rope)
+        s, m = cand.seq_table.shape
+        ck, cv = storage.read_full(cand.seq_table.reshape(-1))  # [S * m, Hkv, D]
+        xc = self.vectors(ck, cv, cand.c_pos.repeat(s)).view(s, m, -1)  # [S, m, C]
+        dots = [x @ c.T for x, c in zip(xt.split(cand.sizes), xc, strict=True)]
+        sq = (xc * xc).sum(-1).repeat_interleave(torch.tensor(cand.sizes), dim=0)  # [T, m]
+        dist = (xt * xt).sum(-1, keepdim=True) + sq - 2.0 * torch.cat(dots)
+        return dist.masked_fill(~cand.valid, float("inf"))
 
     def encode(self, latent: torch.Tensor) -> torch.Tensor:
         """Latents `[n, r]` -> stored bytes `[n, code_bytes]` uint8."""
