@@ -162,24 +162,26 @@ def read_prefix(llm: LLM, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return llm.engine.runner.kv_storage[layer].read(torch.tensor(slots))
 
 
-def test_radix_reuse_equals_recomputing_with_the_cached_prefix(model, checkpoint):
-    llm = deltakv(model, checkpoint)
+@pytest.mark.parametrize("interval", [1, 16])
+def test_radix_reuse_equals_recomputing_with_the_cached_prefix(model, checkpoint, interval):
+    llm = deltakv(model, checkpoint, deltakv_compress_interval=interval)
     run_request(llm.engine, FIRST, GREEDY)
     out, prefilled = run_request(llm.engine, FIRST + NEW, GREEDY)
     assert prefilled < len(NEW) + 8  # the prefix came from the radix cache
     # The reference computes the cached prefix, compresses it whole (as the finished
     # request left the cache), then runs the rest.
     cached = len(FIRST + NEW) - prefilled
-    ref = ReferenceServing(model, checkpoint, RECENT)
+    ref = ReferenceServing(model, checkpoint, RECENT, interval=interval)
     assert_same(out, ref.generate(FIRST + NEW, 512, GREEDY.max_tokens, cached=cached), ref)
 
 
-def test_chain_continuation_equals_recomputing_the_history(model, checkpoint):
-    llm = deltakv(model, checkpoint, prefix_cache_mode="chain")
+@pytest.mark.parametrize("interval", [1, 16])
+def test_chain_continuation_equals_recomputing_the_history(model, checkpoint, interval):
+    llm = deltakv(model, checkpoint, prefix_cache_mode="chain", deltakv_compress_interval=interval)
     first, _ = run_request(llm.engine, FIRST, GREEDY, "c")
     out, prefilled = run_request(llm.engine, FIRST + first.token_ids + NEW, GREEDY, "c")
     assert out.chain_status == "continued" and prefilled == len(NEW) + 1
-    ref = ReferenceServing(model, checkpoint, RECENT)
+    ref = ReferenceServing(model, checkpoint, RECENT, interval=interval)
     assert_same(first, ref.generate(FIRST, 512, GREEDY.max_tokens), ref)
     ref.flush()
     assert_same(out, ref.generate(first.token_ids[-1:] + NEW, 512, GREEDY.max_tokens), ref)
