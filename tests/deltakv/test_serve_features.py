@@ -103,6 +103,19 @@ def test_top_k_reconstruction(model, checkpoint):
     assert few.engine.runner.kv_reads.slots_read() < full.engine.runner.kv_reads.slots_read()
 
 
+@pytest.mark.parametrize("topk", [0, 4])
+def test_views_are_asked_only_of_a_top_k(model, checkpoint, topk, monkeypatch):
+    """Without a top-k every decode query reads its whole view: the host never asks the
+    method for one (two sequences: the batched decode path)."""
+    from sparsevllm.sparse.deltakv import DeltaKV
+
+    asked = []
+    select = DeltaKV.select_view
+    monkeypatch.setattr(DeltaKV, "select_view", lambda *a: asked.append(1) or select(*a))
+    assert len(tokens(deltakv(model, checkpoint, deltakv_topk=topk), [FIRST, FIRST[:90]])) == 2
+    assert bool(asked) == (topk > 0)
+
+
 def test_triton_backend_falls_back_to_the_reference(model, checkpoint):
     fmt = deltakv(model, checkpoint).engine.runner.kv_format
     assert fmt.name == "deltakv"

@@ -349,8 +349,8 @@ class StepMethods:
         if not self.mixed:
             # A method without decode views reads whole views: no selection to ask for.
             only = self.only
-            return None if only.decode_views is DecodeViews.NONE else self.set.views_of(only)
-        viewing = [m for m in self.distinct if m.decode_views is not DecodeViews.NONE]
+            return self.set.views_of(only) if only.narrows_decode() else None
+        viewing = [m for m in self.distinct if m.narrows_decode()]
         if not viewing:
             return None
         return merged_views([(self.set.views_of(m), self.set.method_id(m)) for m in viewing], ids_t)
@@ -373,7 +373,7 @@ class StepMethods:
         """Whether a captured decode graph can serve the rows: graph-computed views (they
         serve their score requests inside the graph), or whole views without scores."""
         return all(
-            m.decode_views is DecodeViews.GRAPH or (m.decode_views is DecodeViews.NONE and not n)
+            m.decode_views is DecodeViews.GRAPH or (not m.narrows_decode() and not n)
             for m, n in zip(self.rows, score_rows)
         )
 

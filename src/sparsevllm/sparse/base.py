@@ -35,7 +35,9 @@ The host (runner, scheduler) asks a method what it needs and never which method 
   reads, e.g. Quest's page bounds); the only place a method may look at host data of
   the step before attention runs.
 - `decode_views`: whether `select_views` narrows decode reads, and whether it can run
-  inside a captured decode graph (`DecodeViews`: none, eager, graph).
+  inside a captured decode graph (`DecodeViews`: none, eager, graph); `narrows_decode`:
+  whether this instance's configuration narrows them at all (a knob may turn the
+  selection off, and its decode steps then replay graphs as dense attention's do).
 - `select_views`: per layer, one batched call for the whole step: the logical subset of
   its view each sequence's single query reads (OmniKV, Quest), as `subset [S, Hkv, B]`
   int32 context positions (the view minus the new token, ascending per KV head; the new
@@ -414,6 +416,13 @@ class SparseMethod:
         """Changes whenever prepare_graph_capture's tensors are reallocated: decode graphs
         captured before then are stale and are captured again."""
         return 0
+
+    def narrows_decode(self) -> bool:
+        """Whether `select_views` may narrow this instance's decode reads (by default:
+        whether the class declares decode views). An instance configured to read whole
+        views answers False: the host then never asks it for views, and its decode
+        steps may replay captured graphs."""
+        return self.decode_views is not DecodeViews.NONE
 
     def select_view(
         self, layer: int, row: int, q: torch.Tensor, batch: ForwardBatch

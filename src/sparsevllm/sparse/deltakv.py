@@ -117,7 +117,7 @@ class DeltaKVKnobs(MethodKnobs):
 class DeltaKV(SparseMethod):
     name = "deltakv"
     # A top-k of compressed tokens is picked on the host (select_view); with
-    # deltakv_topk 0 every row reads its whole view.
+    # deltakv_topk 0 every row reads its whole view (`narrows_decode`).
     decode_views = DecodeViews.EAGER
     knobs: DeltaKVKnobs
 
@@ -369,6 +369,11 @@ class DeltaKV(SparseMethod):
         storage.compress(slots, pos, codec.encode(latent), ref_slots, ref_pos)
 
     # -- reconstruct in decode: which compressed tokens a query reads -----------------
+    def narrows_decode(self) -> bool:
+        """Only a top-k narrows decode reads: with `deltakv_topk` 0 every query reads its
+        whole view, and the host never asks for views (no per-layer, per-row calls)."""
+        return bool(self.knobs.deltakv_topk)
+
     def select_view(
         self, layer: int, row: int, q: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor | None:
