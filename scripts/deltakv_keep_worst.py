@@ -7,7 +7,8 @@ after it is encoded (INT4 code, references' mean), and a token whose relative ke
 |k^ - k| / |k| exceeds `--tau` is left uncompressed (it keeps its full row). The pool
 gets rows for every slot (`CENTER_SLACK`), so kept tokens never run out of rows; the
 KV bytes this costs are the kept fraction of full rows, printed at exit with quantiles
-of the error. Decode-time compression (one token per step) is unchanged.
+of the error. Decode-time compression (one token per step at the committed configs'
+`deltakv_compress_interval` 1) is unchanged.
 
 This is an experiment, not a serving mode: the row budget of a real "keep the worst"
 rule, and the host syncs this filter takes, are not what the method ships.
@@ -79,6 +80,9 @@ def main() -> int:
     # (stride 10) a row for every slot.
     deltakv_storage.CENTER_SLACK = 10.0
     deltakv_method.DeltaKV._compress_layer = _keep_worst(args.tau)  # type: ignore[method-assign]
+    # Every prompt chunk of more than one token takes _compress_layer (as when the
+    # committed runs were made), not the batched search of short chunks.
+    deltakv_method.BATCHED_TOKENS = 1
     atexit.register(_report, args.tau)
     from sparsevllm.cli import main as cli_main
 
