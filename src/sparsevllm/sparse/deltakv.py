@@ -8,12 +8,12 @@ the full-precision K/V of sink, centers and recent windows live in shared rows.
 
 - *compress on store*: after every step, each of the step's sequences compresses the
   tokens that left its recent window, in blocks of `deltakv_compress_interval`
-  positions (positions [floor(start - recent), floor(end - recent)) of the step, floor
-  to a multiple of the interval, centers and the first `sink_keep_tokens` excepted). A view the prefix store
-  adopts (a finished request's radix entry or idle chain) is compressed whole first
-  (`finish_view`), so cached KV holds only sinks, centers and latents: a radix hit or a
-  chain continuation reads what a request reads after a finished request's prefix. A
-  prompt chunk that does not end the prompt follows the step rule (its recent window
+  positions (positions [w(start), w(end)) of the step, w(e) = e - recent rounded down
+  to a multiple of the interval; centers and the first `sink_keep_tokens` excepted).
+  A view the prefix store adopts (a finished request's radix entry or idle chain) is
+  compressed whole first (`finish_view`), so cached KV holds only sinks, centers and
+  latents: a radix hit or a chain continuation reads what a request reads after a
+  finished request's prefix. A prompt chunk that does not end the prompt follows the step rule (its recent window
   stays full), so a prompt cut by the scheduler reads what decode would read. A prefill
   chunk reads its own K/V as computed and older tokens as stored (as every lossy format:
   attention/torch_ref.py).
@@ -359,8 +359,8 @@ class DeltaKV(SparseMethod):
         nref = self.info.spec.num_references
         xt = codec.vectors(*storage.read_full(slots), pos)  # [T, C]
         dist = codec.center_distances(storage, xt, cand)  # [T, m]
-        dist = codec.shard.sum_over_ranks(dist)  # over ranks: each holds some channels
-        dist = dist.masked_fill(~cand.valid, float("inf"))
+        # Summed over ranks (each holds some channels); +inf off `valid` stays +inf.
+        dist = codec.shard.sum_over_ranks(dist)
         idx = torch.sort(dist, dim=-1, stable=True).indices[:, :nref]  # [T, R]
         ref_slots, ref_pos = cand.table.gather(1, idx), cand.c_pos[idx]  # [T, R] each
         rk, rv = storage.read_full(ref_slots.reshape(-1))  # [T * R, Hkv, D]
