@@ -11,7 +11,12 @@ codec's real encoding) against their 4 nearest preceding full tokens. Then
       kernel over a pruned grid: block_n x block_r x num_warps at 2 stages and the
       default splits, then stages and split counts for the best few, then batch 8.
 
-Prints a table (ms per layer) and writes $OUT/dk_sweep.json (OUT default /tmp/out).
+`--kernel rebuild` sweeps the two-phase path instead (attention/triton/deltakv_rebuild.py:
+the rebuild kernel's tiles, warps and stages; the dense decode kernel picks its own
+splits).
+
+Prints a table (ms per layer) and writes $OUT/dk_sweep.json (OUT default /tmp/out;
+`dk_sweep_rebuild.json` for `--kernel rebuild`).
 `--tiny`: small shapes on the CPU under TRITON_INTERPRET=1 (wall-clock timings), to
 prove the script end to end.
 
@@ -37,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsevllm.attention.triton import decode_deltakv as dk
+from sparsevllm.attention.triton import deltakv_rebuild as rb
 from sparsevllm.deltakv.compressor import DeltaKVCompressor
 from sparsevllm.deltakv.rope import rope_table
 from sparsevllm.deltakv.shard import CompressorShard
@@ -144,6 +150,18 @@ def kernel_call(bench: Bench, q: torch.Tensor, variant: Variant) -> Callable[[],
     lens = torch.full((q.shape[0],), bench.shapes.length, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(bench.shapes.d)
+    if KERNEL["name"] == "rebuild":
+
+        def rebuild() -> torch.Tensor:
+            return rb.deltakv_rebuild_attention(
+                q, s.state, s.latent, s.refs, s.pos, s.full_k, s.full_v, s.row_pos,
+                up.weight, up.bias, up.freqs, bench.table, rows, lens, bench.shapes.length,
+                scale, out, bits=up.bits, rope=bench.rope, block_n=variant.block_n,
+                block_r=variant.block_r, num_warps=variant.num_warps,
+                num_stages=variant.num_stages,
+            )  # fmt: skip
+
+        return rebuild
 
     def run() -> torch.Tensor:
         return dk.deltakv_decode_attention(
@@ -250,10 +268,15 @@ def measure(
     return row
 
 
+# The kernel the sweep times (--kernel): "fused" or "rebuild".
+KERNEL = {"name": "fused"}
+
+
 def compiled_kernels() -> dict[int, Any]:
-    """The decode kernel's compiled binaries so far, by id (GPU only)."""
+    """The swept kernel's compiled binaries so far, by id (GPU only)."""
     found: dict[int, Any] = {}
-    for dev_caches in getattr(dk._deltakv_decode_kernel, "device_caches", {}).values():
+    jit = rb._rebuild_kernel if KERNEL["name"] == "rebuild" else dk._deltakv_decode_kernel
+    for dev_caches in getattr(jit, "device_caches", {}).values():
         for kernel in dev_caches[0].values():
             found[id(kernel)] = kernel
     return found
@@ -296,10 +319,12 @@ def sweep(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     q_all = torch.randn(shapes.batch, shapes.hq, shapes.d, generator=g).to(device, args.dtype)
     grid = args.grid
     q1, want1 = baseline(bench, q_all[:1].contiguous(), result, args)
+    fused_defaults(bench, q1, result, args)
     first = stage_one(grid)
     runs = [measure(bench, q1, want1, v, args) for v in first]
     best = best_tiles(runs, args.keep)
     qb, wantb = baseline(bench, q_all, result, args)
+    fused_defaults(bench, qb, result, args)
     runs += [measure(bench, qb, wantb, v, args) for v in stage_batch(grid, best)]
     runs += [measure(bench, q1, want1, v, args) for v in stage_two(grid, best, first)]
     result["runs"] = runs
@@ -319,6 +344,31 @@ def baseline(
     result[f"torch_err_b{batch}"] = err
     print(f"B={batch} torch path (read + SDPA): {ms:.3f} ms  err {err:.2e}", flush=True)
     return q, want
+
+
+def fused_defaults(
+    bench: Bench, q: torch.Tensor, result: dict[str, Any], args: argparse.Namespace
+) -> None:
+    """Beside a rebuild sweep: the fused kernel at its launcher's defaults, timed on the
+    same machine (kept in `result`)."""
+    if args.kernel == "fused":
+        return
+    s, up = bench.storage, bench.codec.up_map(bench.storage.dtype)
+    assert up is not None
+    batch = q.shape[0]
+    rows = torch.arange(1, batch + 1, dtype=torch.int32, device=q.device)
+    lens = torch.full((batch,), bench.shapes.length, dtype=torch.int32, device=q.device)
+    out = torch.empty_like(q)
+
+    def run() -> torch.Tensor:
+        return dk.deltakv_decode_attention(
+            q, s.state, s.latent, s.refs, s.pos, s.full_k, s.full_v, s.row_pos, up.weight,
+            up.bias, up.freqs, bench.table, rows, lens, 1 / math.sqrt(bench.shapes.d), out,
+            bits=up.bits, rope=bench.rope,
+        )  # fmt: skip
+
+    result[f"fused_default_ms_b{batch}"] = ms = time_ms(run, args.warmup, args.iters)
+    print(f"B={batch} fused kernel at its defaults: {ms:.3f} ms", flush=True)
 
 
 def stage_one(grid: dict[str, list[Any]]) -> list[Variant]:
@@ -385,11 +435,18 @@ def parse() -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=2, help="tile shapes carried to stage two")
     p.add_argument("--verbose", action="store_true", help="print failing configs' tracebacks")
     p.add_argument(
+        "--kernel",
+        choices=("fused", "rebuild"),
+        default="fused",
+        help="the fused decode kernel, or the two-phase rebuild + dense decode",
+    )
+    p.add_argument(
         "--budget", type=float, default=200.0, help="seconds after which configs are skipped"
     )
     args = p.parse_args()
     args.deadline = time.perf_counter() + args.budget
     args.dtype = torch.bfloat16
+    KERNEL["name"] = args.kernel
     if args.tiny:
         args.warmup, args.iters, args.keep = 1, 2, 1
         args.grid = dict(
@@ -402,6 +459,10 @@ def parse() -> argparse.Namespace:
             block_n=[64, 128, 32], block_r=[32, 64], num_warps=[8, 4], num_stages=[1, 2, 3],
             num_splits=[None, 16, 32, 64], batch_splits=[None, 4, 8, 16],
         )  # fmt: skip
+    if args.kernel == "rebuild":  # the dense decode kernel picks its splits
+        args.grid.update(num_splits=[None], batch_splits=[None])
+        if not args.tiny:
+            args.grid.update(block_n=[64, 128, 32], block_r=[64, 32], num_warps=[4, 8])
     return args
 
 
@@ -435,9 +496,11 @@ def main() -> None:
     print_table(result)
     out = os.environ.get("OUT", "/tmp/out")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "dk_sweep.json"), "w") as f:
+    name = "dk_sweep.json" if args.kernel == "fused" else f"dk_sweep_{args.kernel}.json"
+    result["kernel"] = args.kernel
+    with open(os.path.join(out, name), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {out}/dk_sweep.json ({result['seconds']:.0f} s)")
+    print(f"wrote {out}/{name} ({result['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

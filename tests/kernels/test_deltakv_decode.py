@@ -184,3 +184,45 @@ def test_rope_table_holds_the_reference_angles():
     turned = rotate(x, pos, freqs)[:, 0]
     assert torch.equal(turned[:, : d // 2], cos[pos])
     assert torch.equal(turned[:, d // 2 :], sin[pos])
+
+
+@pytest.mark.parametrize(
+    "dtype,bits,r,rope,bias,block_n,scratch",
+    [
+        (torch.float32, 4, 64, True, True, 16, 1 << 30),
+        (torch.float32, 16, 48, True, False, 32, 1),  # scratch for one sequence a group
+        (torch.float32, 4, 20, False, True, 64, 1 << 30),
+        (torch.bfloat16, 4, 64, True, True, 32, 40_000),  # groups of two sequences
+    ],
+)
+def test_two_phase_decode_matches_attention_over_the_storage_reads(
+    dtype, bits, r, rope, bias, block_n, scratch
+):
+    """The rebuild kernel's dense copy of the views, then the dense decode kernel
+    (attention/triton/deltakv_rebuild.py): the same attention as over `storage.read`,
+    with views of full tiles (a recent window), mixed tiles and tiles past a view's end,
+    one group of sequences or several."""
+    from sparsevllm.attention.triton.deltakv_rebuild import deltakv_rebuild_attention
+
+    g = torch.Generator().manual_seed(3)
+    hkv, d, group = 2, 32, 4
+    storage, codec = _storage(hkv, d, r, bits, dtype, rope, 0, bias)
+    lens = [150, 9, 70]
+    table = _views(storage, codec, lens, g, recent=40)
+    assert bool((storage.state == COMPRESSED).any())
+    rows = torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), hkv * group, d, generator=g).to(DEVICE, dtype)
+    scale = 1 / math.sqrt(d)
+    up = codec.up_map(dtype)
+    assert up is not None
+    out = torch.full_like(q, float("nan"))
+    deltakv_rebuild_attention(
+        q, storage.state, storage.latent, storage.refs, storage.pos, storage.full_k,
+        storage.full_v, storage.row_pos, up.weight, up.bias, up.freqs, table, rows,
+        lens_t, max(lens), scale, out, bits=bits, scratch_bytes=scratch, block_n=block_n,
+        block_r=16,
+    )  # fmt: skip
+    want = _reference(q, storage, table, rows, lens_t, scale)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)

@@ -40,19 +40,31 @@ def _generate(model: str, backend: str, monkeypatch, **kwargs) -> tuple[list, LL
 
 
 @pytest.mark.parametrize(
-    "bits,topk,fused", [(4, 0, True), (16, 0, True), (4, 4, True), (4, 0, False)]
+    "bits,topk,fused,kernel",
+    [
+        (4, 0, True, "fused"),
+        (16, 0, True, "fused"),
+        (4, 4, True, "fused"),
+        (4, 0, False, "fused"),
+        (4, 0, True, "rebuild"),
+        (16, 0, True, "rebuild"),
+    ],
 )
-def test_deltakv_decode_steps_run_the_kernel(model, checkpoint, bits, topk, fused, monkeypatch):
+def test_deltakv_decode_steps_run_the_kernel(
+    model, checkpoint, bits, topk, fused, kernel, monkeypatch
+):
     """The oracle is the reference backend on the same device: it reads the same stored
     codes and references (the prefill chunks go through the reference in both). With a
     top-k that narrows the long views, their steps go to the reference with the
-    method's selection (asked once); without deltakv_fused_decode they all do."""
+    method's selection (asked once); without deltakv_fused_decode they all do.
+    `deltakv_decode_kernel` picks the kernel (fused, or rebuild then dense decode)."""
     kwargs = dict(
         sparse_method="deltakv",
         deltakv_checkpoint=checkpoint,
         deltakv_latent_bits=bits,
         deltakv_topk=topk,
         deltakv_fused_decode=fused,
+        deltakv_decode_kernel=kernel,
         recent_keep_tokens=8,
         dtype="float32",
         chunk_prefill_size=32,  # two prompts prefill in several chunks
@@ -60,15 +72,16 @@ def test_deltakv_decode_steps_run_the_kernel(model, checkpoint, bits, topk, fuse
     )
     ref, _ = _generate(model, "torch", monkeypatch, **kwargs)
     compressed: list[int] = []  # per kernel call: compressed tokens in its views
-    kernel = triton_deltakv.deltakv_decode_attention
+    name = f"deltakv_{'decode' if kernel == 'fused' else kernel}_attention"
+    run_kernel = getattr(triton_deltakv, name)
 
     def spy(*args, **kw):
         state, table, rows, lens = args[1], args[11], args[12], args[13]
         views = [table[r, :n] for r, n in zip(rows.tolist(), lens.tolist())]
         compressed.append(sum(int((state[v.long()] == COMPRESSED).sum()) for v in views))
-        return kernel(*args, **kw)
+        return run_kernel(*args, **kw)
 
-    monkeypatch.setattr(triton_deltakv, "deltakv_decode_attention", spy)
+    monkeypatch.setattr(triton_deltakv, name, spy)
     outs, llm = _generate(model, "triton", monkeypatch, **kwargs)
     backend = llm.engine.runner.backend
     assert not backend.decode_captures(frozenset()) and not backend.graph_views_safe

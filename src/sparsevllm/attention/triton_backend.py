@@ -37,7 +37,7 @@ from sparsevllm.attention.triton import (
     store_rows,
     window_attention_mass,
 )
-from sparsevllm.attention.triton.decode_deltakv import head_dim_readable
+from sparsevllm.attention.triton.deltakv_tiles import head_dim_readable
 from sparsevllm.attention.triton.prefill_sparse import block_mass, prefill_sparse_attention
 from sparsevllm.attention.triton_deltakv import DeltaKVAttention
 from sparsevllm.attention.triton_kivi import KiviAttention

@@ -1,9 +1,11 @@
 """DeltaKV storage (kv/deltakv.py) inside the Triton backend.
 
 A decode step over whole views, the common step of a long generation and the one whose
-cost grows with the context, runs the DeltaKV decode kernel (attention/triton/
-decode_deltakv.py), which reconstructs compressed tokens in registers from their latent
-codes, their references' full rows and the layer's linear up map. The other steps
+cost grows with the context, runs a DeltaKV decode kernel, which reconstructs compressed
+tokens from their latent codes, their references' full rows and the layer's linear up
+map: in registers where it scores them (attention/triton/decode_deltakv.py), or into a
+dense scratch that the dense decode kernel reads (deltakv_rebuild.py), as the method's
+`deltakv_decode_kernel` chooses. The other steps
 (prefill chunks, a method's selected views, the probabilities a method asks for) and
 layers the kernel cannot read (an MLP up map, shapes outside `check_kernel_shapes`) go
 through the torch reference over the storage's reconstructed reads, on the same device.
@@ -20,10 +22,9 @@ import torch
 
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.attention.torch_ref import TorchRefBackend
-from sparsevllm.attention.triton.decode_deltakv import (
-    check_kernel_shapes,
-    deltakv_decode_attention,
-)
+from sparsevllm.attention.triton.decode_deltakv import deltakv_decode_attention
+from sparsevllm.attention.triton.deltakv_rebuild import deltakv_rebuild_attention
+from sparsevllm.attention.triton.deltakv_tiles import check_kernel_shapes
 from sparsevllm.deltakv.rope import RopeTables
 from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap
 from sparsevllm.kv.format import KVStorage
@@ -100,18 +101,20 @@ class DeltaKVAttention:
         # A view index is its position: the slot table's width covers every position.
         rope = None if up.freqs is None else self._rope.get(up.freqs, q.device, table.shape[1])
         out = torch.empty_like(q)
+        if up.kernel == "rebuild":
+            return deltakv_rebuild_attention(
+                *_storage_args(q, storage, up),
+                table,
+                batch.rows_t,
+                batch.view_lens_t[group],
+                batch.max_view_len(group),
+                scale,
+                out,
+                bits=up.bits,
+                rope=rope,
+            )
         deltakv_decode_attention(
-            q,
-            storage.state,
-            storage.latent,
-            storage.refs,
-            storage.pos,
-            storage.full_k,
-            storage.full_v,
-            storage.row_pos,
-            up.weight,
-            up.bias,
-            up.freqs,
+            *_storage_args(q, storage, up),
             table,
             batch.rows_t,
             batch.view_lens_t[group],
@@ -140,3 +143,29 @@ def _whole_view_decode(layer: int, batch: ForwardBatch, window: int | None) -> b
     if window is not None or not batch.decode_only:
         return False
     return not any(batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs))
+
+
+# The query, the storage's state, latent, refs, pos, full_k, full_v and row_pos, and
+# the up map's weight, bias and freqs.
+KernelArgs = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+]  # fmt: skip
+
+
+def _storage_args(q: torch.Tensor, storage: DeltaKVStorage, up: UpMap) -> KernelArgs:
+    """The decode kernels' leading arguments: the query, the layer's storage tensors and
+    its up map."""
+    return (
+        q,
+        storage.state,
+        storage.latent,
+        storage.refs,
+        storage.pos,
+        storage.full_k,
+        storage.full_v,
+        storage.row_pos,
+        up.weight,
+        up.bias,
+        up.freqs,
+    )

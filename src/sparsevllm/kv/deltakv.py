@@ -70,6 +70,10 @@ class UpMap:
     bias: torch.Tensor | None  # [2 * Hkv * D]
     freqs: torch.Tensor | None  # [D / 2] float32 RoPE frequencies (None: no RoPE)
     bits: int  # 4: r / 2 INT4 code bytes, then a float16 scale and zero; 16: float16 values
+    # The decode kernel that reads it (the method's deltakv_decode_kernel): "fused"
+    # rebuilds tiles where it scores them, "rebuild" rebuilds the views into a dense
+    # scratch for the dense decode kernel.
+    kernel: str = "fused"
 
 
 class LatentDecoder(Protocol):

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from sparsevllm.calibration.schema import ModelIdentity
 
 LATENT_BITS = (4, 16)
+DECODE_KERNELS = ("fused", "rebuild")  # attention/triton/decode_deltakv.py, deltakv_rebuild.py
 # Token-center distances one search of a sequence's tokens holds at most: 64 MiB of
 # float32 (a prompt chunk, or a whole view compressed before the prefix store adopts it).
 MAX_SEARCH_CELLS = 1 << 24
@@ -100,6 +101,13 @@ class DeltaKVKnobs(MethodKnobs):
         "view for attention (1.6x the decode tokens/s at 32K, batch 1, on an H100: "
         "docs/benchmarks). Off: the materialising path. CPU runs ignore it.",
     )
+    deltakv_decode_kernel: str = knob(
+        "fused",
+        "DeltaKV: the Triton kernel of deltakv_fused_decode. 'fused': one kernel "
+        "rebuilds each tile of compressed tokens where it scores it; 'rebuild': a "
+        "kernel rebuilds the views' keys and values into a dense scratch (groups of "
+        "sequences, at most 512 MiB), then the dense decode kernel attends over it.",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,6 +115,11 @@ class DeltaKVKnobs(MethodKnobs):
             raise ValueError(
                 "deltakv needs deltakv_checkpoint: the path of a compressor trained for "
                 "this model (`sparsevllm deltakv collect` then `sparsevllm deltakv train`)"
+            )
+        if self.deltakv_decode_kernel not in DECODE_KERNELS:
+            raise ValueError(
+                f"deltakv_decode_kernel must be one of {DECODE_KERNELS}, got "
+                f"{self.deltakv_decode_kernel!r}"
             )
         if self.deltakv_latent_bits not in LATENT_BITS:
             raise ValueError(
@@ -193,6 +206,7 @@ class DeltaKV(SparseMethod):
                 self.knobs.deltakv_latent_bits,
                 fused=self.knobs.deltakv_fused_decode,
                 rope_tables=rope_tables,
+                kernel=self.knobs.deltakv_decode_kernel,
             )
             storage.attach_decoder(codec)
             self.codecs[layer], self.storages[layer] = codec, storage

@@ -61,9 +61,11 @@ class TokenCodec:
         bits: int,
         fused: bool = False,
         rope_tables: RopeTables | None = None,
+        kernel: str = "fused",
     ) -> None:
         self.shard, self.layer, self.freqs, self.bits = shard, layer, freqs, bits
         self.fused = fused  # hand kernels the up map (deltakv_fused_decode)
+        self.kernel = kernel  # which one (deltakv_decode_kernel)
         # The center search kernel's cos/sin tables (shared by a method's layers).
         self.rope_tables = rope_tables if rope_tables is not None else RopeTables()
         spec = shard.compressor.spec
@@ -93,7 +95,7 @@ class TokenCodec:
         if not self.fused or self.shard.compressor.spec.hidden_dim:
             return None
         weight, bias = self._up_weights(dtype)
-        return UpMap(weight, bias, self.freqs, self.bits)
+        return UpMap(weight, bias, self.freqs, self.bits, self.kernel)
 
     def code_bytes(self) -> int:
         return self.width // 2 + 4 if self.bits == 4 else 2 * self.width

@@ -1,0 +1,178 @@
+"""Decode over DeltaKV storage in two phases: rebuild the views densely, then attend.
+
+The fused decode kernel (decode_deltakv.py) rebuilds a tile's compressed keys where it
+scores them, so every tile of every split waits on two chains: the W_k chunks of its
+latent loop, and five dependent loads (slot, state, references, their rows and
+positions, their cos/sin rows). At Llama-3-8B shapes, 32K, batch 1, on an H100 it took
+1.33 ms a layer for 30.8 GFLOP of key up-projection (about 2% of the tensor cores' rate;
+docs/benchmarks). Here the two halves run apart:
+
+1. the rebuild kernel, one program per (tile of BLOCK_N view positions, sequence, KV
+   head), writes the tile's post-RoPE keys and its values in the model dtype to a dense
+   scratch `[S x P, Hkv, D]` (row s x P + position): full rows copied, compressed tokens
+   rebuilt as `deltakv_tiles.py` defines them. Its programs hold no softmax state, so
+   many run per SM and hide those chains behind each other; a tile of full rows only
+   (the recent window, the sink) is a copy;
+2. the engine's dense decode kernel (decode.py) attends over the scratch through an
+   identity slot table, at its byte floor.
+
+The scratch is `S x P x Hkv x D x 2` elements (P: the batch's longest view), so a batch
+goes through it in groups of sequences of at most `scratch_bytes` (at least one
+sequence); the same allocation serves every group and layer of a step. The values
+cost a second up-projection here, where the fused kernel absorbs W_v into its latent
+accumulator, and the scratch's bytes are written and read once more: both are small
+against the latency the split removes (the count is in docs/benchmarks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsevllm.attention.triton._common import dot_precision
+from sparsevllm.attention.triton.decode import decode_attention
+from sparsevllm.attention.triton.deltakv_tiles import (
+    COMPRESSED,
+    check_kernel_shapes,
+    check_up_weight,
+    compressed_keys,
+    compressed_values,
+    latent_params,
+    rope_args,
+    up_project,
+)
+from sparsevllm.deltakv.rope import RopeTable
+
+# Scratch one group of sequences may hold (K and V, model dtype): 4 sequences of 32K or
+# one of 128K at Llama-3-8B shapes.
+REBUILD_SCRATCH_BYTES = 512 << 20
+
+
+@triton.jit
+def _rebuild_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
+    state_ptr, latent_ptr, refs_ptr, pos_ptr, fk_ptr, fv_ptr, row_pos_ptr, w_ptr, b_ptr,
+    cos_ptr, sin_ptr, table_ptr, rows_ptr, lens_ptr, k_out, v_out, num_positions, width,
+    stride_ls, stride_rs, stride_fr, stride_w, stride_tr, stride_o,
+    HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PW: tl.constexpr, BITS: tl.constexpr, NREF: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_ROPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Program (tile, sequence, KV head): the tile's K and V rows of the scratch."""
+    tile = tl.program_id(0)
+    s = tl.program_id(1)
+    kvh = tl.program_id(2)
+    D: tl.constexpr = 2 * HALF
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    ok = offs_n < tl.load(lens_ptr + s)
+    table_row = table_ptr + tl.load(rows_ptr + s).to(tl.int64) * stride_tr
+    slot = tl.load(table_row + offs_n, mask=ok, other=0).to(tl.int64)
+    st = tl.load(state_ptr + slot, mask=ok, other=-1)
+    comp = st == COMPRESSED
+    fm = (st >= 0)[:, None]
+    fk_head = fk_ptr + kvh * D
+    fv_head = fv_ptr + kvh * D
+    at_full = st.to(tl.int64)[:, None] * stride_fr + offs_h[None, :]
+    k_lo = tl.load(fk_head + at_full, mask=fm, other=0.0)  # [BLOCK_N, HALF]
+    k_hi = tl.load(fk_head + at_full + HALF, mask=fm, other=0.0)
+    v_lo = tl.load(fv_head + at_full, mask=fm, other=0.0)
+    v_hi = tl.load(fv_head + at_full + HALF, mask=fm, other=0.0)
+    dt = k_lo.dtype
+    if tl.sum(comp.to(tl.int32), axis=0) > 0:
+        lat_row = latent_ptr + slot[:, None] * stride_ls  # [BLOCK_N, 1]
+        z_scale, z_zero = latent_params(lat_row, comp[:, None], PW, BITS)
+        wk = w_ptr + (kvh * D) * stride_w  # this head's key rows of W_up, then value rows
+        wv = w_ptr + (HKV * D + kvh * D) * stride_w
+        c_lo, c_hi = compressed_keys(
+            lat_row, comp, slot, z_scale, z_zero, wk, b_ptr + kvh * D, refs_ptr, fk_head,
+            row_pos_ptr, pos_ptr, cos_ptr, sin_ptr, num_positions, stride_w, stride_rs,
+            stride_fr, HALF, PW, BITS, BLOCK_R, NREF, HAS_BIAS, HAS_ROPE, DOT_PREC,
+        )  # fmt: skip
+        k_lo = tl.where(fm, k_lo, c_lo.to(dt))
+        k_hi = tl.where(fm, k_hi, c_hi.to(dt))
+        b_lo, b_hi = compressed_values(
+            refs_ptr, slot, comp, fv_head, b_ptr + HKV * D + kvh * D, stride_rs, stride_fr,
+            HALF, NREF, HAS_BIAS,
+        )  # fmt: skip
+        b_lo, b_hi = up_project(
+            b_lo, b_hi, lat_row, comp[:, None], wv, z_scale, z_zero, stride_w, PW, BITS,
+            BLOCK_R, HALF, DOT_PREC,
+        )  # fmt: skip
+        v_lo = tl.where(fm, v_lo, b_lo.to(dt))
+        v_hi = tl.where(fm, v_hi, b_hi.to(dt))
+    out_row = (s.to(tl.int64) * width + offs_n)[:, None] * stride_o + kvh * D + offs_h[None, :]
+    m = ok[:, None]
+    tl.store(k_out + out_row, k_lo, mask=m)
+    tl.store(k_out + out_row + HALF, k_hi, mask=m)
+    tl.store(v_out + out_row, v_lo, mask=m)
+    tl.store(v_out + out_row + HALF, v_hi, mask=m)
+
+
+def deltakv_rebuild_attention(
+    q: torch.Tensor,  # [S, Hq, D]
+    state: torch.Tensor,  # [num_slots] int32 (kv/deltakv.py: >= 0 full row, -2 compressed)
+    latent: torch.Tensor,  # [num_slots, latent_bytes] uint8 codes (a prefix per layer)
+    refs: torch.Tensor,  # [num_slots, R] int32 reference rows
+    pos: torch.Tensor,  # [num_slots] int32 compressed tokens' positions
+    full_k: torch.Tensor,  # [rows, Hkv, D] post-RoPE keys, the model dtype
+    full_v: torch.Tensor,  # [rows, Hkv, D]
+    row_pos: torch.Tensor,  # [rows] int32
+    weight: torch.Tensor,  # [2 * Hkv * D, r] W_up (K rows then V rows)
+    bias: torch.Tensor | None,  # [2 * Hkv * D]
+    freqs: torch.Tensor | None,  # [D / 2] float32 RoPE frequencies (None: no RoPE)
+    table: torch.Tensor,  # [num_rows, max_len] int32 slot ids
+    rows: torch.Tensor,  # [S] int32
+    view_lens: torch.Tensor,  # [S] int32 (incl. the query's own token)
+    longest: int,  # >= every view length (host value: sizes the scratch)
+    scale: float,
+    out: torch.Tensor,  # [S, Hq, D]
+    *,
+    bits: int,
+    rope: RopeTable | None = None,  # rope_table(freqs, P), deltakv/rope.py
+    scratch_bytes: int = REBUILD_SCRATCH_BYTES,
+    block_n: int = 64,
+    block_r: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of each sequence's single query over its whole view in DeltaKV storage,
+    through a rebuilt dense copy of the views (module docstring); writes and returns
+    `out`. Arguments as `deltakv_decode_attention`'s, plus `longest`, the scratch's
+    positions per sequence."""
+    num_seqs, _, head_dim = q.shape
+    num_kv_heads = full_k.shape[1]
+    check_kernel_shapes(head_dim, weight.shape[1], bits)
+    check_up_weight(weight, num_kv_heads, head_dim)
+    if num_seqs == 0:
+        return out
+    width = max(1, int(longest))
+    cos, sin = rope_args(freqs, rope, table.shape[1], head_dim, q.device)
+    per_seq = 2 * width * num_kv_heads * head_dim * full_k.element_size()
+    group = max(1, min(num_seqs, scratch_bytes // per_seq))
+    k_scr = torch.empty(
+        (group * width, num_kv_heads, head_dim), dtype=full_k.dtype, device=q.device
+    )
+    v_scr = torch.empty_like(k_scr)
+    ident = torch.arange(group * width, dtype=torch.int32, device=q.device).view(group, width)
+    ident_rows = torch.arange(group, dtype=torch.int32, device=q.device)
+    plane = weight.shape[1] // 2 if bits == 4 else weight.shape[1]
+    for s0 in range(0, num_seqs, group):
+        n = min(group, num_seqs - s0)
+        lens = view_lens[s0 : s0 + n]
+        _rebuild_kernel[(triton.cdiv(width, block_n), n, num_kv_heads)](
+            state, latent, refs, pos, full_k, full_v, row_pos, weight,
+            weight if bias is None else bias, cos, sin, table, rows[s0 : s0 + n], lens,
+            k_scr, v_scr, cos.shape[0], width,
+            latent.stride(0), refs.stride(0), full_k.stride(0), weight.stride(0),
+            table.stride(0), k_scr.stride(0),
+            HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_N=block_n, BLOCK_R=block_r,
+            PW=plane, BITS=bits, NREF=refs.shape[1], HAS_BIAS=bias is not None,
+            HAS_ROPE=freqs is not None, DOT_PREC=dot_precision(q.dtype),
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        decode_attention(
+            q[s0 : s0 + n], k_scr, v_scr, ident[:n], ident_rows[:n], lens, scale,
+            out[s0 : s0 + n],
+        )  # fmt: skip
+    return out
