@@ -74,39 +74,41 @@ def _rebuild_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
     fk_head = fk_ptr + kvh * D
     fv_head = fv_ptr + kvh * D
     at_full = st.to(tl.int64)[:, None] * stride_fr + offs_h[None, :]
+    num_comp = tl.sum(comp.to(tl.int32), axis=0)
+    lat_row = latent_ptr + slot[:, None] * stride_ls  # [BLOCK_N, 1]
+    z_scale, z_zero = latent_params(lat_row, comp[:, None], PW, BITS)
+    out_at = (s.to(tl.int64) * width + offs_n)[:, None] * stride_o + kvh * D + offs_h[None, :]
+    m = ok[:, None]
+    # Keys, stored before the values are built: fewer registers live at once.
     k_lo = tl.load(fk_head + at_full, mask=fm, other=0.0)  # [BLOCK_N, HALF]
     k_hi = tl.load(fk_head + at_full + HALF, mask=fm, other=0.0)
-    v_lo = tl.load(fv_head + at_full, mask=fm, other=0.0)
-    v_hi = tl.load(fv_head + at_full + HALF, mask=fm, other=0.0)
     dt = k_lo.dtype
-    if tl.sum(comp.to(tl.int32), axis=0) > 0:
-        lat_row = latent_ptr + slot[:, None] * stride_ls  # [BLOCK_N, 1]
-        z_scale, z_zero = latent_params(lat_row, comp[:, None], PW, BITS)
-        wk = w_ptr + (kvh * D) * stride_w  # this head's key rows of W_up, then value rows
-        wv = w_ptr + (HKV * D + kvh * D) * stride_w
+    if num_comp > 0:
         c_lo, c_hi = compressed_keys(
-            lat_row, comp, slot, z_scale, z_zero, wk, b_ptr + kvh * D, refs_ptr, fk_head,
-            row_pos_ptr, pos_ptr, cos_ptr, sin_ptr, num_positions, stride_w, stride_rs,
-            stride_fr, HALF, PW, BITS, BLOCK_R, NREF, HAS_BIAS, HAS_ROPE, DOT_PREC,
+            lat_row, comp, slot, z_scale, z_zero, w_ptr + (kvh * D) * stride_w,
+            b_ptr + kvh * D, refs_ptr, fk_head, row_pos_ptr, pos_ptr, cos_ptr, sin_ptr,
+            num_positions, stride_w, stride_rs, stride_fr, HALF, PW, BITS, BLOCK_R, NREF,
+            HAS_BIAS, HAS_ROPE, DOT_PREC,
         )  # fmt: skip
         k_lo = tl.where(fm, k_lo, c_lo.to(dt))
         k_hi = tl.where(fm, k_hi, c_hi.to(dt))
+    tl.store(k_out + out_at, k_lo, mask=m)
+    tl.store(k_out + out_at + HALF, k_hi, mask=m)
+    v_lo = tl.load(fv_head + at_full, mask=fm, other=0.0)
+    v_hi = tl.load(fv_head + at_full + HALF, mask=fm, other=0.0)
+    if num_comp > 0:
         b_lo, b_hi = compressed_values(
             refs_ptr, slot, comp, fv_head, b_ptr + HKV * D + kvh * D, stride_rs, stride_fr,
             HALF, NREF, HAS_BIAS,
         )  # fmt: skip
         b_lo, b_hi = up_project(
-            b_lo, b_hi, lat_row, comp[:, None], wv, z_scale, z_zero, stride_w, PW, BITS,
-            BLOCK_R, HALF, DOT_PREC,
+            b_lo, b_hi, lat_row, m & comp[:, None], w_ptr + (HKV * D + kvh * D) * stride_w,
+            z_scale, z_zero, stride_w, PW, BITS, BLOCK_R, HALF, DOT_PREC,
         )  # fmt: skip
         v_lo = tl.where(fm, v_lo, b_lo.to(dt))
         v_hi = tl.where(fm, v_hi, b_hi.to(dt))
-    out_row = (s.to(tl.int64) * width + offs_n)[:, None] * stride_o + kvh * D + offs_h[None, :]
-    m = ok[:, None]
-    tl.store(k_out + out_row, k_lo, mask=m)
-    tl.store(k_out + out_row + HALF, k_hi, mask=m)
-    tl.store(v_out + out_row, v_lo, mask=m)
-    tl.store(v_out + out_row + HALF, v_hi, mask=m)
+    tl.store(v_out + out_at, v_lo, mask=m)
+    tl.store(v_out + out_at + HALF, v_hi, mask=m)
 
 
 def deltakv_rebuild_attention(
