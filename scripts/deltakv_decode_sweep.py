@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from sparsevllm.attention.triton import decode_deltakv as dk
 from sparsevllm.attention.triton import deltakv_rebuild as rb
+from sparsevllm.attention.triton.deltakv_tiles import DeltaKVTensors
 from sparsevllm.deltakv.compressor import DeltaKVCompressor
 from sparsevllm.deltakv.rope import rope_table
 from sparsevllm.deltakv.shard import CompressorShard
@@ -142,10 +143,18 @@ def fill_view(
 
 
 # -- the two paths ----------------------------------------------------------------------
-def kernel_call(bench: Bench, q: torch.Tensor, variant: Variant) -> Callable[[], torch.Tensor]:
-    s = bench.storage
-    up = bench.codec.up_map(s.dtype)
+def tensors(bench: Bench) -> DeltaKVTensors:
+    """What the kernels read of the bench's layer."""
+    s, up = bench.storage, bench.codec.up_map(bench.storage.dtype)
     assert up is not None
+    return DeltaKVTensors(
+        s.state, s.latent, s.refs, s.pos, s.full_k, s.full_v, s.row_pos, up.weight, up.bias,
+        up.freqs, up.bits,
+    )  # fmt: skip
+
+
+def kernel_call(bench: Bench, q: torch.Tensor, variant: Variant) -> Callable[[], torch.Tensor]:
+    t = tensors(bench)
     rows = torch.arange(1, q.shape[0] + 1, dtype=torch.int32, device=q.device)
     lens = torch.full((q.shape[0],), bench.shapes.length, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q)
@@ -154,9 +163,8 @@ def kernel_call(bench: Bench, q: torch.Tensor, variant: Variant) -> Callable[[],
 
         def rebuild() -> torch.Tensor:
             return rb.deltakv_rebuild_attention(
-                q, s.state, s.latent, s.refs, s.pos, s.full_k, s.full_v, s.row_pos,
-                up.weight, up.bias, up.freqs, bench.table, rows, lens, bench.shapes.length,
-                scale, out, bits=up.bits, rope=bench.rope, block_n=variant.block_n,
+                q, t, bench.table, rows, lens, bench.shapes.length, scale, out,
+                rope=bench.rope, block_n=variant.block_n,
                 block_r=variant.block_r, num_warps=variant.num_warps,
                 num_stages=variant.num_stages,
             )  # fmt: skip
@@ -165,9 +173,8 @@ def kernel_call(bench: Bench, q: torch.Tensor, variant: Variant) -> Callable[[],
 
     def run() -> torch.Tensor:
         return dk.deltakv_decode_attention(
-            q, s.state, s.latent, s.refs, s.pos, s.full_k, s.full_v, s.row_pos, up.weight,
-            up.bias, up.freqs, bench.table, rows, lens, scale, out, bits=up.bits,
-            rope=bench.rope, num_splits=variant.num_splits, block_n=variant.block_n,
+            q, t, bench.table, rows, lens, scale, out, rope=bench.rope,
+            num_splits=variant.num_splits, block_n=variant.block_n,
             block_r=variant.block_r, num_warps=variant.num_warps,
             num_stages=variant.num_stages,
         )  # fmt: skip
@@ -353,8 +360,6 @@ def fused_defaults(
     same machine (kept in `result`)."""
     if args.kernel == "fused":
         return
-    s, up = bench.storage, bench.codec.up_map(bench.storage.dtype)
-    assert up is not None
     batch = q.shape[0]
     rows = torch.arange(1, batch + 1, dtype=torch.int32, device=q.device)
     lens = torch.full((batch,), bench.shapes.length, dtype=torch.int32, device=q.device)
@@ -362,9 +367,8 @@ def fused_defaults(
 
     def run() -> torch.Tensor:
         return dk.deltakv_decode_attention(
-            q, s.state, s.latent, s.refs, s.pos, s.full_k, s.full_v, s.row_pos, up.weight,
-            up.bias, up.freqs, bench.table, rows, lens, 1 / math.sqrt(bench.shapes.d), out,
-            bits=up.bits, rope=bench.rope,
+            q, tensors(bench), bench.table, rows, lens, 1 / math.sqrt(bench.shapes.d), out,
+            rope=bench.rope,
         )  # fmt: skip
 
     result[f"fused_default_ms_b{batch}"] = ms = time_ms(run, args.warmup, args.iters)

@@ -15,6 +15,7 @@ from kernel_env import DEVICE, require_triton
 require_triton()
 
 from sparsevllm.attention.triton.decode_deltakv import deltakv_decode_attention  # noqa: E402
+from sparsevllm.attention.triton.deltakv_tiles import DeltaKVTensors  # noqa: E402
 from sparsevllm.deltakv.compressor import DeltaKVCompressor  # noqa: E402
 from sparsevllm.deltakv.rope import rope_table  # noqa: E402
 from sparsevllm.deltakv.shard import CompressorShard  # noqa: E402
@@ -89,6 +90,49 @@ def _reference(q, storage, table, rows, lens, scale):
     return out
 
 
+@dataclasses.dataclass
+class Case:
+    """A storage with views of `lens` tokens, a query per view and the kernels' inputs."""
+
+    storage: DeltaKVStorage
+    up: object  # UpMap
+    table: torch.Tensor
+    rows: torch.Tensor
+    lens: torch.Tensor
+    q: torch.Tensor
+    scale: float
+
+    def tensors(self) -> tuple:
+        """The launchers' leading arguments: the query, the layer's tensors, the views."""
+        s, up = self.storage, self.up
+        t = DeltaKVTensors(
+            s.state, s.latent, s.refs, s.pos, s.full_k, s.full_v, s.row_pos, up.weight,
+            up.bias, up.freqs, up.bits,
+        )  # fmt: skip
+        return self.q, t, self.table, self.rows, self.lens
+
+    def reference(self) -> torch.Tensor:
+        return _reference(self.q, self.storage, self.table, self.rows, self.lens, self.scale)
+
+
+def _case(seed, group, lens, dtype, bits, r, rope, extra, bias, recent=0) -> Case:
+    g = torch.Generator().manual_seed(seed)
+    hkv, d = 2, 32
+    storage, codec = _storage(hkv, d, r, bits, dtype, rope, extra, bias)
+    table = _views(storage, codec, lens, g, recent=recent)
+    assert bool((storage.state == COMPRESSED).any())
+    rows = torch.arange(1, len(lens) + 1, dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), hkv * group, d, generator=g).to(DEVICE, dtype)
+    up = codec.up_map(dtype)
+    assert up is not None
+    return Case(storage, up, table, rows, lens_t, q, 1 / math.sqrt(d))
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 2e-5 if dtype == torch.float32 else 3e-2
+
+
 @pytest.mark.parametrize(
     "dtype,bits,r,rope,extra,bias",
     [
@@ -99,39 +143,28 @@ def _reference(q, storage, table, rows, lens, scale):
     ],
 )
 def test_kernel_matches_attention_over_the_storage_reads(dtype, bits, r, rope, extra, bias):
-    g = torch.Generator().manual_seed(1)
-    hkv, d, group = 2, 32, 3
-    storage, codec = _storage(hkv, d, r, bits, dtype, rope, extra, bias)
-    lens = [45, 7, 100]
-    table = _views(storage, codec, lens, g)
-    assert bool((storage.state == COMPRESSED).any())
-    rows = torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(lens), hkv * group, d, generator=g).to(DEVICE, dtype)
-    scale = 1 / math.sqrt(d)
-    up = codec.up_map(dtype)
-    assert up is not None
-    out = torch.empty_like(q)
+    c = _case(1, 3, [45, 7, 100], dtype, bits, r, rope, extra, bias)
+    out = torch.empty_like(c.q)
     for splits in (1, 3):
         deltakv_decode_attention(
-            q, storage.state, storage.latent, storage.refs, storage.pos, storage.full_k,
-            storage.full_v, storage.row_pos, up.weight, up.bias, up.freqs, table, rows,
-            lens_t, scale, out, bits=bits, num_splits=splits, block_n=16, block_r=16,
-        )  # fmt: skip
-        want = _reference(q, storage, table, rows, lens_t, scale)
-        tol = 2e-5 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
+            *c.tensors(), c.scale, out, num_splits=splits, block_n=16, block_r=16
+        )
+        tol = _tol(dtype)
+        torch.testing.assert_close(out.float().cpu(), c.reference(), atol=tol, rtol=tol)
 
 
 def test_unsupported_head_sizes_are_refused_by_name():
     q = torch.zeros(1, 2, 24, device=DEVICE)
     one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     full = torch.zeros(1, 1, 24, device=DEVICE)
+    w = torch.zeros(48, 8, device=DEVICE)
+    t = DeltaKVTensors(one, one, one, one, full, full, one, w, None, None, 4)
     with pytest.raises(ValueError, match="head_dim"):
-        deltakv_decode_attention(
-            q, one, one, one, one, full, full, one, torch.zeros(48, 8, device=DEVICE),
-            None, None, one[None], one, one, 1.0, q, bits=4,
-        )  # fmt: skip
+        deltakv_decode_attention(q, t, one[None], one, one, 1.0, q)
+    from sparsevllm.attention.triton.deltakv_rebuild import deltakv_rebuild_attention
+
+    with pytest.raises(ValueError, match="head_dim"):
+        deltakv_rebuild_attention(q, t, one[None], one, one, 1, 1.0, q)
 
 
 @pytest.mark.parametrize(
@@ -146,29 +179,16 @@ def test_large_tiles_full_tiles_and_the_table_end(dtype, bits, r, bias, block_n,
     """Tiles of 64 and 128 tokens, tiles of full tokens only (a recent window of 40: they
     skip the key up-projection), and a cos/sin table exactly as long as the longest view,
     so its last positions read the table's last row."""
-    g = torch.Generator().manual_seed(2)
-    hkv, d, group = 2, 32, 4
-    storage, codec = _storage(hkv, d, r, bits, dtype, True, 0, bias)
-    lens = [150, 9, 70]
-    table = _views(storage, codec, lens, g, recent=40)
-    rows = torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(lens), hkv * group, d, generator=g).to(DEVICE, dtype)
-    scale = 1 / math.sqrt(d)
-    up = codec.up_map(dtype)
-    assert up is not None and up.freqs is not None
-    rope = rope_table(up.freqs, max(lens))
-    out = torch.empty_like(q)
+    c = _case(2, 4, [150, 9, 70], dtype, bits, r, True, 0, bias, recent=40)
+    rope = rope_table(c.up.freqs, 150)
+    out = torch.empty_like(c.q)
     for splits in (None, 2):  # None: the launcher's default (shapes only)
         deltakv_decode_attention(
-            q, storage.state, storage.latent, storage.refs, storage.pos, storage.full_k,
-            storage.full_v, storage.row_pos, up.weight, up.bias, up.freqs, table, rows,
-            lens_t, scale, out, bits=bits, rope=rope, num_splits=splits, block_n=block_n,
-            block_r=block_r,
+            *c.tensors(), c.scale, out, rope=rope, num_splits=splits,
+            block_n=block_n, block_r=block_r,
         )  # fmt: skip
-        want = _reference(q, storage, table, rows, lens_t, scale)
-        tol = 2e-5 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
+        tol = _tol(dtype)
+        torch.testing.assert_close(out.float().cpu(), c.reference(), atol=tol, rtol=tol)
 
 
 def test_rope_table_holds_the_reference_angles():
@@ -204,25 +224,11 @@ def test_two_phase_decode_matches_attention_over_the_storage_reads(
     one group of sequences or several."""
     from sparsevllm.attention.triton.deltakv_rebuild import deltakv_rebuild_attention
 
-    g = torch.Generator().manual_seed(3)
-    hkv, d, group = 2, 32, 4
-    storage, codec = _storage(hkv, d, r, bits, dtype, rope, 0, bias)
-    lens = [150, 9, 70]
-    table = _views(storage, codec, lens, g, recent=40)
-    assert bool((storage.state == COMPRESSED).any())
-    rows = torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(lens), hkv * group, d, generator=g).to(DEVICE, dtype)
-    scale = 1 / math.sqrt(d)
-    up = codec.up_map(dtype)
-    assert up is not None
-    out = torch.full_like(q, float("nan"))
+    c = _case(3, 4, [150, 9, 70], dtype, bits, r, rope, 0, bias, recent=40)
+    out = torch.full_like(c.q, float("nan"))
     deltakv_rebuild_attention(
-        q, storage.state, storage.latent, storage.refs, storage.pos, storage.full_k,
-        storage.full_v, storage.row_pos, up.weight, up.bias, up.freqs, table, rows,
-        lens_t, max(lens), scale, out, bits=bits, scratch_bytes=scratch, block_n=block_n,
+        *c.tensors(), 150, c.scale, out, scratch_bytes=scratch, block_n=block_n,
         block_r=16,
     )  # fmt: skip
-    want = _reference(q, storage, table, rows, lens_t, scale)
-    tol = 2e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
+    tol = _tol(dtype)
+    torch.testing.assert_close(out.float().cpu(), c.reference(), atol=tol, rtol=tol)

@@ -76,7 +76,7 @@ def test_deltakv_decode_steps_run_the_kernel(
     run_kernel = getattr(triton_deltakv, name)
 
     def spy(*args, **kw):
-        state, table, rows, lens = args[1], args[11], args[12], args[13]
+        state, table, rows, lens = args[1].state, args[2], args[3], args[4]
         views = [table[r, :n] for r, n in zip(rows.tolist(), lens.tolist())]
         compressed.append(sum(int((state[v.long()] == COMPRESSED).sum()) for v in views))
         return run_kernel(*args, **kw)

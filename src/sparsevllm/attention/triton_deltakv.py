@@ -24,7 +24,7 @@ from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.attention.torch_ref import TorchRefBackend
 from sparsevllm.attention.triton.decode_deltakv import deltakv_decode_attention
 from sparsevllm.attention.triton.deltakv_rebuild import deltakv_rebuild_attention
-from sparsevllm.attention.triton.deltakv_tiles import check_kernel_shapes
+from sparsevllm.attention.triton.deltakv_tiles import DeltaKVTensors, check_kernel_shapes
 from sparsevllm.deltakv.rope import RopeTables
 from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap
 from sparsevllm.kv.format import KVStorage
@@ -103,24 +103,24 @@ class DeltaKVAttention:
         out = torch.empty_like(q)
         if up.kernel == "rebuild":
             return deltakv_rebuild_attention(
-                *_storage_args(q, storage, up),
+                q,
+                _tensors(storage, up),
                 table,
                 batch.rows_t,
                 batch.view_lens_t[group],
                 batch.max_view_len(group),
                 scale,
                 out,
-                bits=up.bits,
                 rope=rope,
             )
         deltakv_decode_attention(
-            *_storage_args(q, storage, up),
+            q,
+            _tensors(storage, up),
             table,
             batch.rows_t,
             batch.view_lens_t[group],
             scale,
             out,
-            bits=up.bits,
             rope=rope,
         )
         return out
@@ -145,19 +145,9 @@ def _whole_view_decode(layer: int, batch: ForwardBatch, window: int | None) -> b
     return not any(batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs))
 
 
-# The query, the storage's state, latent, refs, pos, full_k, full_v and row_pos, and
-# the up map's weight, bias and freqs.
-KernelArgs = tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-]  # fmt: skip
-
-
-def _storage_args(q: torch.Tensor, storage: DeltaKVStorage, up: UpMap) -> KernelArgs:
-    """The decode kernels' leading arguments: the query, the layer's storage tensors and
-    its up map."""
-    return (
-        q,
+def _tensors(storage: DeltaKVStorage, up: UpMap) -> DeltaKVTensors:
+    """What the decode kernels read of the layer."""
+    return DeltaKVTensors(
         storage.state,
         storage.latent,
         storage.refs,
@@ -168,4 +158,5 @@ def _storage_args(q: torch.Tensor, storage: DeltaKVStorage, up: UpMap) -> Kernel
         up.weight,
         up.bias,
         up.freqs,
+        up.bits,
     )

@@ -59,8 +59,7 @@ from sparsevllm.attention.triton._common import (
 from sparsevllm.attention.triton.decode import merge_splits
 from sparsevllm.attention.triton.deltakv_tiles import (
     COMPRESSED,
-    check_kernel_shapes,
-    check_up_weight,
+    DeltaKVTensors,
     compressed_keys,
     compressed_values,
     fp16_at,
@@ -264,24 +263,14 @@ def deltakv_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torc
 
 def deltakv_decode_attention(
     q: torch.Tensor,  # [S, Hq, D]
-    state: torch.Tensor,  # [num_slots] int32 (kv/deltakv.py: >= 0 full row, -2 compressed)
-    latent: torch.Tensor,  # [num_slots, latent_bytes] uint8 codes (a prefix per layer)
-    refs: torch.Tensor,  # [num_slots, R] int32 reference rows
-    pos: torch.Tensor,  # [num_slots] int32 compressed tokens' positions
-    full_k: torch.Tensor,  # [rows, Hkv, D] post-RoPE keys, the model dtype
-    full_v: torch.Tensor,  # [rows, Hkv, D]
-    row_pos: torch.Tensor,  # [rows] int32
-    weight: torch.Tensor,  # [2 * Hkv * D, r] W_up (K rows then V rows)
-    bias: torch.Tensor | None,  # [2 * Hkv * D]
-    freqs: torch.Tensor | None,  # [D / 2] float32 RoPE frequencies (None: no RoPE)
+    t: DeltaKVTensors,
     table: torch.Tensor,  # [num_rows, max_len] int32 slot ids
     rows: torch.Tensor,  # [S] int32
     view_lens: torch.Tensor,  # [S] int32 (incl. the query's own token)
     scale: float,
     out: torch.Tensor,  # [S, Hq, D]
     *,
-    bits: int,
-    rope: RopeTable | None = None,  # rope_table(freqs, P), deltakv/rope.py
+    rope: RopeTable | None = None,  # rope_table(t.freqs, P), deltakv/rope.py
     num_splits: int | None = None,
     # The H100 sweep's best at Llama-3-8B shapes (scripts/deltakv_decode_sweep.py,
     # docs/benchmarks): 32-token tiles, 64 latent channels a step, 4 warps. 64-token
@@ -294,34 +283,30 @@ def deltakv_decode_attention(
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole view in DeltaKV storage
     (module docstring); writes and returns `out` (equal to the torch reference over
-    `DeltaKVStorage.read`, up to the order of float sums). `bits`: 4 for INT4 latents
-    (`r / 2` code bytes then a float16 scale and zero), 16 for float16 latents. `rope`:
-    the cos/sin table of `freqs` (`rope_table`); without it one of the slot table's width
-    is built here, which costs a launch or two per call: callers cache it."""
+    `DeltaKVStorage.read`, up to the order of float sums). `rope`: the cos/sin table of
+    `t.freqs` (`rope_table`); without it one of the slot table's width is built here,
+    which costs a launch or two per call: callers cache it."""
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads = full_k.shape[1]
-    width = weight.shape[1]
-    check_kernel_shapes(head_dim, width, bits)
-    check_up_weight(weight, num_kv_heads, head_dim)
+    num_kv_heads = t.full_k.shape[1]
+    t.check(head_dim)
     if num_seqs == 0:
         return out
-    cos, sin = rope_args(freqs, rope, table.shape[1], head_dim, q.device)
+    cos, sin = rope_args(t.freqs, rope, table.shape[1], head_dim, q.device)
     if num_splits is None:
         num_splits = deltakv_num_splits(num_seqs, num_kv_heads, table.shape[1], q.device)
     ws_m, ws_l, ws_acc = split_workspace(num_seqs, num_q_heads, num_splits, head_dim, q.device)
     group = num_q_heads // num_kv_heads
-    plane = width // 2 if bits == 4 else width  # latent channels per plane
     _deltakv_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, state, latent, refs, pos, full_k, full_v, row_pos, weight,
-        weight if bias is None else bias, cos, sin, table, rows, view_lens,
+        q, t.state, t.latent, t.refs, t.pos, t.full_k, t.full_v, t.row_pos, t.weight,
+        t.weight if t.bias is None else t.bias, cos, sin, table, rows, view_lens,
         ws_m, ws_l, ws_acc, float(scale) * LOG2E, cos.shape[0],
-        q.stride(0), q.stride(1), latent.stride(0), refs.stride(0), full_k.stride(0),
-        weight.stride(0), table.stride(0),
+        q.stride(0), q.stride(1), t.latent.stride(0), t.refs.stride(0), t.full_k.stride(0),
+        t.weight.stride(0), table.stride(0),
         HKV=num_kv_heads, HALF=head_dim // 2, GROUP=group,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_R=block_r, PW=plane,
-        BLOCK_Z=max(16, next_pow2(plane)), BITS=bits, NREF=refs.shape[1],
-        HAS_BIAS=bias is not None, HAS_ROPE=freqs is not None, DOT_PREC=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_R=block_r, PW=t.plane,
+        BLOCK_Z=max(16, next_pow2(t.plane)), BITS=t.bits, NREF=t.refs.shape[1],
+        HAS_BIAS=t.bias is not None, HAS_ROPE=t.freqs is not None,
+        DOT_PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     merge_splits(ws_m, ws_l, ws_acc, out)
     return out

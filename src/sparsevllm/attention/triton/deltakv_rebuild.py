@@ -34,8 +34,7 @@ from sparsevllm.attention.triton._common import dot_precision
 from sparsevllm.attention.triton.decode import decode_attention
 from sparsevllm.attention.triton.deltakv_tiles import (
     COMPRESSED,
-    check_kernel_shapes,
-    check_up_weight,
+    DeltaKVTensors,
     compressed_keys,
     compressed_values,
     latent_params,
@@ -113,16 +112,7 @@ def _rebuild_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
 
 def deltakv_rebuild_attention(
     q: torch.Tensor,  # [S, Hq, D]
-    state: torch.Tensor,  # [num_slots] int32 (kv/deltakv.py: >= 0 full row, -2 compressed)
-    latent: torch.Tensor,  # [num_slots, latent_bytes] uint8 codes (a prefix per layer)
-    refs: torch.Tensor,  # [num_slots, R] int32 reference rows
-    pos: torch.Tensor,  # [num_slots] int32 compressed tokens' positions
-    full_k: torch.Tensor,  # [rows, Hkv, D] post-RoPE keys, the model dtype
-    full_v: torch.Tensor,  # [rows, Hkv, D]
-    row_pos: torch.Tensor,  # [rows] int32
-    weight: torch.Tensor,  # [2 * Hkv * D, r] W_up (K rows then V rows)
-    bias: torch.Tensor | None,  # [2 * Hkv * D]
-    freqs: torch.Tensor | None,  # [D / 2] float32 RoPE frequencies (None: no RoPE)
+    t: DeltaKVTensors,
     table: torch.Tensor,  # [num_rows, max_len] int32 slot ids
     rows: torch.Tensor,  # [S] int32
     view_lens: torch.Tensor,  # [S] int32 (incl. the query's own token)
@@ -130,8 +120,7 @@ def deltakv_rebuild_attention(
     scale: float,
     out: torch.Tensor,  # [S, Hq, D]
     *,
-    bits: int,
-    rope: RopeTable | None = None,  # rope_table(freqs, P), deltakv/rope.py
+    rope: RopeTable | None = None,  # rope_table(t.freqs, P), deltakv/rope.py
     scratch_bytes: int = REBUILD_SCRATCH_BYTES,
     block_n: int = 64,
     block_r: int = 64,
@@ -143,34 +132,31 @@ def deltakv_rebuild_attention(
     `out`. Arguments as `deltakv_decode_attention`'s, plus `longest`, the scratch's
     positions per sequence."""
     num_seqs, _, head_dim = q.shape
-    num_kv_heads = full_k.shape[1]
-    check_kernel_shapes(head_dim, weight.shape[1], bits)
-    check_up_weight(weight, num_kv_heads, head_dim)
+    num_kv_heads = t.full_k.shape[1]
+    t.check(head_dim)
     if num_seqs == 0:
         return out
     width = max(1, int(longest))
-    cos, sin = rope_args(freqs, rope, table.shape[1], head_dim, q.device)
-    per_seq = 2 * width * num_kv_heads * head_dim * full_k.element_size()
+    cos, sin = rope_args(t.freqs, rope, table.shape[1], head_dim, q.device)
+    per_seq = 2 * width * num_kv_heads * head_dim * t.full_k.element_size()
     group = max(1, min(num_seqs, scratch_bytes // per_seq))
-    k_scr = torch.empty(
-        (group * width, num_kv_heads, head_dim), dtype=full_k.dtype, device=q.device
-    )
+    shape = (group * width, num_kv_heads, head_dim)
+    k_scr = torch.empty(shape, dtype=t.full_k.dtype, device=q.device)
     v_scr = torch.empty_like(k_scr)
     ident = torch.arange(group * width, dtype=torch.int32, device=q.device).view(group, width)
     ident_rows = torch.arange(group, dtype=torch.int32, device=q.device)
-    plane = weight.shape[1] // 2 if bits == 4 else weight.shape[1]
     for s0 in range(0, num_seqs, group):
         n = min(group, num_seqs - s0)
         lens = view_lens[s0 : s0 + n]
         _rebuild_kernel[(triton.cdiv(width, block_n), n, num_kv_heads)](
-            state, latent, refs, pos, full_k, full_v, row_pos, weight,
-            weight if bias is None else bias, cos, sin, table, rows[s0 : s0 + n], lens,
-            k_scr, v_scr, cos.shape[0], width,
-            latent.stride(0), refs.stride(0), full_k.stride(0), weight.stride(0),
+            t.state, t.latent, t.refs, t.pos, t.full_k, t.full_v, t.row_pos, t.weight,
+            t.weight if t.bias is None else t.bias, cos, sin, table, rows[s0 : s0 + n],
+            lens, k_scr, v_scr, cos.shape[0], width,
+            t.latent.stride(0), t.refs.stride(0), t.full_k.stride(0), t.weight.stride(0),
             table.stride(0), k_scr.stride(0),
             HKV=num_kv_heads, HALF=head_dim // 2, BLOCK_N=block_n, BLOCK_R=block_r,
-            PW=plane, BITS=bits, NREF=refs.shape[1], HAS_BIAS=bias is not None,
-            HAS_ROPE=freqs is not None, DOT_PREC=dot_precision(q.dtype),
+            PW=t.plane, BITS=t.bits, NREF=t.refs.shape[1], HAS_BIAS=t.bias is not None,
+            HAS_ROPE=t.freqs is not None, DOT_PREC=dot_precision(q.dtype),
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         decode_attention(

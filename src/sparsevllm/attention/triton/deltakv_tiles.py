@@ -18,6 +18,8 @@ reference rotates with.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,35 @@ from sparsevllm.attention.triton._common import next_pow2
 from sparsevllm.deltakv.rope import RopeTable, rope_table
 
 COMPRESSED = tl.constexpr(-2)  # kv/deltakv.py's state of a compressed slot
+
+
+@dataclass(frozen=True)
+class DeltaKVTensors:
+    """What the DeltaKV decode kernels read of a layer: its storage's tensors
+    (kv/deltakv.py) and its linear up map."""
+
+    state: torch.Tensor  # [num_slots] int32: >= 0 a full row, -2 compressed
+    latent: torch.Tensor  # [num_slots, latent_bytes] uint8 codes (a prefix per layer)
+    refs: torch.Tensor  # [num_slots, R] int32 reference rows
+    pos: torch.Tensor  # [num_slots] int32 compressed tokens' positions
+    full_k: torch.Tensor  # [rows, Hkv, D] post-RoPE keys, the model dtype
+    full_v: torch.Tensor  # [rows, Hkv, D]
+    row_pos: torch.Tensor  # [rows] int32
+    weight: torch.Tensor  # [2 * Hkv * D, r] W_up, K rows then V rows, row-major
+    bias: torch.Tensor | None  # [2 * Hkv * D]
+    freqs: torch.Tensor | None  # [D / 2] float32 RoPE frequencies (None: no RoPE)
+    bits: int  # 4: r / 2 INT4 code bytes, then a float16 scale and zero; 16: float16
+
+    def check(self, head_dim: int) -> None:
+        """Refuse, by name, shapes the tile functions cannot read."""
+        check_kernel_shapes(head_dim, self.weight.shape[1], self.bits)
+        check_up_weight(self.weight, self.full_k.shape[1], head_dim)
+
+    @property
+    def plane(self) -> int:
+        """Latent channels per plane (INT4: two planes, the codes' low and high nibbles)."""
+        width = self.weight.shape[1]
+        return width // 2 if self.bits == 4 else width
 
 
 @triton.jit
