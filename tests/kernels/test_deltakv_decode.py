@@ -221,14 +221,20 @@ def test_two_phase_decode_matches_attention_over_the_storage_reads(
     """The rebuild kernel's dense copy of the views, then the dense decode kernel
     (attention/triton/deltakv_rebuild.py): the same attention as over `storage.read`,
     with views of full tiles (a recent window), mixed tiles and tiles past a view's end,
-    one group of sequences or several."""
-    from sparsevllm.attention.triton.deltakv_rebuild import deltakv_rebuild_attention
+    one group of sequences or several, through a scratch kept between calls."""
+    from sparsevllm.attention.triton.deltakv_rebuild import (
+        RebuildScratch,
+        deltakv_rebuild_attention,
+    )
 
     c = _case(3, 4, [150, 9, 70], dtype, bits, r, rope, 0, bias, recent=40)
-    out = torch.full_like(c.q, float("nan"))
-    deltakv_rebuild_attention(
-        *c.tensors(), 150, c.scale, out, scratch_bytes=scratch, block_n=block_n,
-        block_r=16,
-    )  # fmt: skip
-    tol = _tol(dtype)
-    torch.testing.assert_close(out.float().cpu(), c.reference(), atol=tol, rtol=tol)
+    kept = RebuildScratch()  # reused: the second call's views are longer, its group wider
+    for lens, longest in (([40, 9, 70], 70), ([150, 9, 70], 150)):
+        c.lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        out = torch.full_like(c.q, float("nan"))
+        deltakv_rebuild_attention(
+            *c.tensors(), longest, c.scale, out, scratch=kept, scratch_bytes=scratch,
+            block_n=block_n, block_r=16,
+        )  # fmt: skip
+        tol = _tol(dtype)
+        torch.testing.assert_close(out.float().cpu(), c.reference(), atol=tol, rtol=tol)

@@ -23,7 +23,7 @@ import torch
 from sparsevllm.attention.backend import ForwardBatch
 from sparsevllm.attention.torch_ref import TorchRefBackend
 from sparsevllm.attention.triton.decode_deltakv import deltakv_decode_attention
-from sparsevllm.attention.triton.deltakv_rebuild import deltakv_rebuild_attention
+from sparsevllm.attention.triton.deltakv_rebuild import RebuildScratch, deltakv_rebuild_attention
 from sparsevllm.attention.triton.deltakv_tiles import DeltaKVTensors, check_kernel_shapes
 from sparsevllm.deltakv.rope import RopeTables
 from sparsevllm.kv.deltakv import DeltaKVStorage, UpMap
@@ -56,6 +56,8 @@ class DeltaKVAttention:
         self._up: dict[int, UpMap | None] = {}
         # The kernel's cos/sin tables, shared by the layers of one RoPE.
         self._rope = RopeTables()
+        # The rebuild kernel's dense views, shared by the layers and kept between steps.
+        self._scratch = RebuildScratch()
 
     def decode_captures(self) -> bool:
         """Whether a decode step can be captured in a CUDA graph: never with a DeltaKV
@@ -112,6 +114,7 @@ class DeltaKVAttention:
                 scale,
                 out,
                 rope=rope,
+                scratch=self._scratch,
             )
         deltakv_decode_attention(
             q,

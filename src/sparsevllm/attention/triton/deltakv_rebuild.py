@@ -46,6 +46,43 @@ from sparsevllm.deltakv.rope import RopeTable
 # Scratch one group of sequences may hold (K and V, model dtype): 4 sequences of 32K or
 # one of 128K at Llama-3-8B shapes.
 REBUILD_SCRATCH_BYTES = 512 << 20
+# A scratch row holds a multiple of this many positions, so the views' growth by a token
+# a step reuses it for many steps.
+ROW_QUANTUM = 1024
+
+
+class RebuildScratch:
+    """The rebuilt views' K and V `[G x W, Hkv, D]` and their identity slot table `[G,
+    W]` (row s x W + position), kept between calls: a step's layers and the steps after
+    it reuse them until a longer view or a wider group needs more (at Llama-3-8B shapes a
+    decode step at batch 1 is bound by host work, so each layer's allocations count)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, int, int, torch.dtype, torch.device] | None = None
+        self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def get(
+        self,
+        group: int,
+        longest: int,
+        heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V, the identity table and its rows `[G]`, for `group` views of at most
+        `longest` positions (the table's row stride is the buffers' W >= longest)."""
+        width = -(-max(1, longest) // ROW_QUANTUM) * ROW_QUANTUM
+        have = self._key
+        fits = have is not None and have[0] >= group and have[1] >= width
+        if not fits or have[2:] != (heads, dim, dtype, device):
+            self._key = (group, width, heads, dim, dtype, device)
+            k = torch.empty((group * width, heads, dim), dtype=dtype, device=device)
+            ident = torch.arange(group * width, dtype=torch.int32, device=device)
+            rows = torch.arange(group, dtype=torch.int32, device=device)
+            self._bufs = (k, torch.empty_like(k), ident.view(group, width), rows)
+        assert self._bufs is not None
+        return self._bufs
 
 
 @triton.jit
@@ -121,6 +158,7 @@ def deltakv_rebuild_attention(
     out: torch.Tensor,  # [S, Hq, D]
     *,
     rope: RopeTable | None = None,  # rope_table(t.freqs, P), deltakv/rope.py
+    scratch: RebuildScratch | None = None,
     scratch_bytes: int = REBUILD_SCRATCH_BYTES,
     block_n: int = 64,
     block_r: int = 64,
@@ -130,25 +168,25 @@ def deltakv_rebuild_attention(
     """Attention of each sequence's single query over its whole view in DeltaKV storage,
     through a rebuilt dense copy of the views (module docstring); writes and returns
     `out`. Arguments as `deltakv_decode_attention`'s, plus `longest`, the scratch's
-    positions per sequence."""
+    positions per sequence, and `scratch`, buffers kept by the caller between calls
+    (a fresh one if None); groups of sequences hold at most `scratch_bytes`."""
     num_seqs, _, head_dim = q.shape
     num_kv_heads = t.full_k.shape[1]
     t.check(head_dim)
     if num_seqs == 0:
         return out
-    width = max(1, int(longest))
     cos, sin = rope_args(t.freqs, rope, table.shape[1], head_dim, q.device)
-    per_seq = 2 * width * num_kv_heads * head_dim * t.full_k.element_size()
+    per_seq = 2 * max(1, longest) * num_kv_heads * head_dim * t.full_k.element_size()
     group = max(1, min(num_seqs, scratch_bytes // per_seq))
-    shape = (group * width, num_kv_heads, head_dim)
-    k_scr = torch.empty(shape, dtype=t.full_k.dtype, device=q.device)
-    v_scr = torch.empty_like(k_scr)
-    ident = torch.arange(group * width, dtype=torch.int32, device=q.device).view(group, width)
-    ident_rows = torch.arange(group, dtype=torch.int32, device=q.device)
+    scratch = scratch if scratch is not None else RebuildScratch()
+    k_scr, v_scr, ident, ident_rows = scratch.get(
+        group, longest, num_kv_heads, head_dim, t.full_k.dtype, q.device
+    )
+    width = ident.shape[1]  # the scratch's row stride in positions
     for s0 in range(0, num_seqs, group):
         n = min(group, num_seqs - s0)
         lens = view_lens[s0 : s0 + n]
-        _rebuild_kernel[(triton.cdiv(width, block_n), n, num_kv_heads)](
+        _rebuild_kernel[(triton.cdiv(longest, block_n), n, num_kv_heads)](
             t.state, t.latent, t.refs, t.pos, t.full_k, t.full_v, t.row_pos, t.weight,
             t.weight if t.bias is None else t.bias, cos, sin, table, rows[s0 : s0 + n],
             lens, k_scr, v_scr, cos.shape[0], width,
@@ -160,7 +198,7 @@ def deltakv_rebuild_attention(
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         decode_attention(
-            q[s0 : s0 + n], k_scr, v_scr, ident[:n], ident_rows[:n], lens, scale,
+            q[s0 : s0 + n], k_scr, v_scr, ident[:n, :longest], ident_rows[:n], lens, scale,
             out[s0 : s0 + n],
         )  # fmt: skip
     return out
