@@ -75,7 +75,7 @@ class RebuildScratch:
         width = -(-max(1, longest) // ROW_QUANTUM) * ROW_QUANTUM
         have = self._key
         fits = have is not None and have[0] >= group and have[1] >= width
-        if not fits or have[2:] != (heads, dim, dtype, device):
+        if not fits or have is None or have[2:] != (heads, dim, dtype, device):
             self._key = (group, width, heads, dim, dtype, device)
             k = torch.empty((group * width, heads, dim), dtype=dtype, device=device)
             ident = torch.arange(group * width, dtype=torch.int32, device=device)
