@@ -61,7 +61,7 @@ class TokenCodec:
         bits: int,
         fused: bool = False,
         rope_tables: RopeTables | None = None,
-        kernel: str = "fused",
+        kernel: str = "rebuild",
     ) -> None:
         self.shard, self.layer, self.freqs, self.bits = shard, layer, freqs, bits
         self.fused = fused  # hand kernels the up map (deltakv_fused_decode)
