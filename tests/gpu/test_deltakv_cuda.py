@@ -68,3 +68,34 @@ def test_budgets_covering_the_context_give_the_dense_model_on_the_gpu(model, che
         # A window of 1,024 compresses nothing: the reference is the plain HF loop.
         dense = ReferenceServing(model, checkpoint, 1024, device="cuda")
         assert out.token_ids == dense.generate(prompt, 2048, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("kernel,topk", [("rebuild", 0), ("fused", 0), ("rebuild", 4)])
+def test_deltakv_decode_graphs_give_the_eager_tokens(
+    tiny_model_factory, tmp_path, kernel, topk, monkeypatch
+):
+    """Decode steps over whole views replay captured graphs (the store, the kernel and,
+    for `rebuild`, a scratch sized from the slot table's width inside the graph) and give
+    the eager engine's tokens and logprobs, with compression between the steps; a top-k
+    that narrows the views keeps its steps eager. (head_dim 64: the kernels read it.)"""
+    model = tiny_model_factory("llama_hd64")
+    kwargs = dict(
+        sparse_method="deltakv", deltakv_checkpoint=make_checkpoint(model, tmp_path / "c.st"),
+        recent_keep_tokens=RECENT, deltakv_decode_kernel=kernel, deltakv_topk=topk,
+        deltakv_compress_interval=4, chunk_prefill_size=32,
+    )  # fmt: skip
+    want = cuda_llm(model, enforce_eager=True, **kwargs).generate(
+        MATRIX_PROMPTS, GREEDY, use_tqdm=False
+    )
+    llm = cuda_llm(model, **kwargs)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    replays = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda *a: replays.append(1) or run(*a))
+    got = llm.generate(MATRIX_PROMPTS, GREEDY, use_tqdm=False)
+    assert (len(replays) > 0) == (topk == 0)
+    for out, ref in zip(got, want):
+        assert out.token_ids == ref.token_ids
+        got_lp = [t.logprob for t in out.logprobs]
+        assert got_lp == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)

@@ -84,7 +84,7 @@ def test_deltakv_decode_steps_run_the_kernel(
     monkeypatch.setattr(triton_deltakv, name, spy)
     outs, llm = _generate(model, "triton", monkeypatch, **kwargs)
     backend = llm.engine.runner.backend
-    assert not backend.decode_captures(frozenset()) and not backend.graph_views_safe
+    assert backend.decode_captures(frozenset()) == fused and not backend.graph_views_safe
     if topk or not fused:  # every decode batch holds a view the selection narrows
         assert not compressed
     else:  # decode steps of both layers, over views that hold compressed tokens

@@ -58,8 +58,8 @@ class TritonBackend(AttentionBackend):
         # Latent layers' prefill chunks (and sliding windows, which MLA models have not).
         self.reference = TorchRefBackend(storage)
         # KIVI and DeltaKV layers serve selected views and scores through the torch
-        # reference, which waits for the host; KIVI's whole-view decode steps (kernel
-        # and store) capture, DeltaKV's never do (DeltaKVAttention.decode_captures).
+        # reference, which waits for the host; their whole-view decode steps (kernel
+        # and store) capture (KiviAttention and DeltaKVAttention.decode_captures).
         self.graph_views_safe = not any(s.format.kernels in ("kivi", "deltakv") for s in storage)
 
     def decode_captures(self, windowed: frozenset[int]) -> bool:

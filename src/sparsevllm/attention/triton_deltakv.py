@@ -11,9 +11,10 @@ layers the kernel cannot read (an MLP up map, shapes outside `check_kernel_shape
 through the torch reference over the storage's reconstructed reads, on the same device.
 
 Storing is the storage's own (`DeltaKVStorage.store`), done here once per step before
-either path attends. DeltaKV steps are never captured in CUDA graphs: the method
-compresses on the host after every step (TritonBackend.decode_captures and
-graph_views_safe are False when any layer is DeltaKV).
+either path attends. Decode steps over whole views are captured in CUDA graphs when
+every DeltaKV layer runs a kernel (`decode_captures`); the method compresses on the
+host between steps. graph_views_safe stays False: views a method narrows on the host
+(`deltakv_topk`) are read eagerly.
 """
 
 from __future__ import annotations
@@ -60,9 +61,18 @@ class DeltaKVAttention:
         self._scratch = RebuildScratch()
 
     def decode_captures(self) -> bool:
-        """Whether a decode step can be captured in a CUDA graph: never with a DeltaKV
-        layer, whose method compresses on the host after every step."""
-        return not has_deltakv(self.storage)
+        """Whether a decode step over whole views can be captured in a CUDA graph: when
+        every DeltaKV layer runs a decode kernel. The store, the kernels and their
+        split counts are sync-free and sized from shapes in a capture (the rebuild
+        scratch from the slot table's width); the method's compression runs on the host
+        between steps, outside the graph. A layer left to the reference (an MLP up map,
+        `deltakv_fused_decode` off, shapes the kernels cannot read) keeps steps eager,
+        and a top-k that narrows views keeps its steps eager at replay (graph_ok)."""
+        return all(
+            self._up_map(layer, storage) is not None
+            for layer, storage in enumerate(self.storage)
+            if isinstance(storage, DeltaKVStorage)
+        )
 
     def forward(
         self,
@@ -104,17 +114,21 @@ class DeltaKVAttention:
         rope = None if up.freqs is None else self._rope.get(up.freqs, q.device, table.shape[1])
         out = torch.empty_like(q)
         if up.kernel == "rebuild":
+            # A capture stands for every later step: it sizes the scratch for the slot
+            # table's width and allocates it inside the graph's pool (a temporary there),
+            # where an eager step sizes it for its longest view and keeps it.
+            capturing = batch.sparse.capturing
             return deltakv_rebuild_attention(
                 q,
                 _tensors(storage, up),
                 table,
                 batch.rows_t,
                 batch.view_lens_t[group],
-                batch.max_view_len(group),
+                table.shape[1] if capturing else batch.max_view_len(group),
                 scale,
                 out,
                 rope=rope,
-                scratch=self._scratch,
+                scratch=None if capturing else self._scratch,
             )
         deltakv_decode_attention(
             q,
