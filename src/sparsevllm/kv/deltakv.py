@@ -269,7 +269,7 @@ class DeltaKVStorage(KVStorage):
         rows = self.free_rows.take(real)  # [T]: the spare row where not real
         self.full_k[rows] = k.to(self.dtype)
         self.full_v[rows] = v.to(self.dtype)
-        self.row_refs[rows] = 1
+        self.row_refs.index_fill_(0, rows, 1)  # no host scalar copy: a captured store
         self._state[at] = rows.int()
 
     def is_full(self, slots: torch.Tensor) -> torch.Tensor:
