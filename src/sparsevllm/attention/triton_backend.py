@@ -10,7 +10,8 @@ Sliding-window layers pass their window to both kernels; sparse methods leave th
 alone (no logical views, no scores). A quantized storage format (kv/scaled.py) hands the
 kernels its per-token scales: they quantize on store and dequantize in registers. KIVI
 layers (kv/kivi.py) go to attention/triton_kivi.py, DeltaKV layers (kv/deltakv.py) to
-attention/triton_deltakv.py (never captured: the method compresses on the host).
+attention/triton_deltakv.py (their whole-view decode steps capture; the method
+compresses on the host between them).
 
 MLA's latent layout (kv/latent.py, one `[c_kv | k_pe]` row per token whose value is its
 c_kv prefix): the new rows are written by `store_rows` (one buffer), and pure decode
