@@ -96,10 +96,11 @@ class DeltaKVKnobs(MethodKnobs):
     )
     deltakv_fused_decode: bool = knob(
         True,
-        "DeltaKV: decode steps over whole views run the fused Triton kernel, which "
-        "reconstructs compressed tokens in registers (CUDA), instead of materialising the "
-        "view for attention (1.6x the decode tokens/s at 32K, batch 1, on an H100: "
-        "docs/benchmarks). Off: the materialising path. CPU runs ignore it.",
+        "DeltaKV: decode steps over whole views run a Triton decode kernel (CUDA; "
+        "deltakv_decode_kernel picks which) that reconstructs compressed tokens on the "
+        "device, and are captured in CUDA graphs, instead of materialising the view "
+        "through the torch reference (docs/benchmarks). Off: the materialising path, "
+        "eager. CPU runs ignore it.",
     )
     deltakv_decode_kernel: str = knob(
         "rebuild",
