@@ -4,7 +4,7 @@
 #   PART = tests | multiturn | dense | long | b24 | overlap | layout | prefill32k | profile | kvpress | sweep |
 #          gguf-part | quality | quality-rerun | quality-modes | quality-formats | quality-prefill | formats-kernels | formats-throughput |
 #          capacity-methods | formats-capacity | kivi-graphs | million | mla | deltakv-throughput |
-#          deltakv-quality | deltakv-fused | tp
+#          deltakv-quality | deltakv-fused | deltakv-kernels | tp
 #   (several parts: run them one after another)
 set -u
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # /tmp/site: carried wheels (llguidance)
@@ -309,7 +309,8 @@ PY
       # DeltaKV's 32K decode steps. DK_LENS / DK_METHODS (batch 1) and DK_MAX_LENS /
       # DK_MAX_METHODS (largest batch) choose a subset; DK_OUT the batch-1 runs' output
       # tokens (default 16); DK_MAX_OUT / DK_MAX_RUN_S the largest-batch runs' output
-      # tokens and time limit, DK_MAX_SEQS their max_num_seqs.
+      # tokens and time limit, DK_MAX_SEQS their max_num_seqs; DK_KNOBS more DeltaKV
+      # flags (the defaults: the rebuild kernel, decode steps in CUDA graphs).
       python scripts/deltakv_random_compressor.py --model-config llama3-8b --out /tmp/dk8b.safetensors
       DK="--deltakv-checkpoint /tmp/dk8b.safetensors"
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr H h)
@@ -345,6 +346,27 @@ PY
          --model-config llama3-8b --prompt-len 32768 --batch-size 1 --steps 4 --rows 15 \
          --sparse-method deltakv --config /tmp/dk8b.json --json "$OUT/profile_deltakv_${gpu:-gpu}_32k_b1.json" \
          | tail -24 ;;
+    deltakv-kernels)
+      # Issue 16: DeltaKV's decode kernels side by side (session 34): their GPU tests, the
+      # rebuild sweep (the fused kernel's defaults timed beside it), then decode at 32K and
+      # 128K, batch 1, for rebuild and fused with CUDA graphs and rebuild eager.
+      python -m pytest -q -p no:warnings tests/kernels/test_deltakv_decode.py \
+         tests/kernels/test_triton_deltakv_engine.py tests/gpu/test_deltakv_cuda.py 2>&1 | tail -3
+      timeout ${DK_SWEEP_S:-150} python scripts/deltakv_decode_sweep.py --kernel rebuild \
+         --budget $(( ${DK_SWEEP_S:-150} - 50 )) --iters 10 | tail -24
+      python scripts/deltakv_random_compressor.py --model-config llama3-8b --out /tmp/dk8b.safetensors
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9]*" | head -1 | tr H h)
+      for n in ${DK_LENS-32768 131072}; do
+        pl=$n; [ $n -gt 65536 ] && pl=$((n - 128))
+        for run in "rebuild" "fused" "rebuild --enforce-eager"; do
+          tag=$(echo "$run" | tr -d ' -' | sed 's/enforceeager/_eager/')
+          f="$OUT/deltakv_${gpu:-gpu}_$((n / 1024))k_b1_$tag.json"
+          timeout ${DK_RUN_S:-150} $M --prompt-len $pl --output-len ${DK_OUT:-32} --max-model-len $((pl + 128)) \
+             --batch-size 1 --max-num-seqs 1 --sparse-method deltakv --deltakv-checkpoint /tmp/dk8b.safetensors \
+             --deltakv-decode-kernel $run --json "$f" > "$OUT/deltakv_${n}_$tag.log" 2>&1 || echo "failed: $n $run"
+          echo "$n $run"; grep -hE '"(decode_tokens_per_s|time_per_output_token_s|cuda_graphs)"' "$f"
+        done
+      done ;;
     deltakv-fused)
       # Issue 16: the fused DeltaKV decode kernel (deltakv_fused_decode) against the
       # materialising path: its tests, the tile sweep at Llama-3-8B shapes, then DeltaKV
