@@ -42,7 +42,8 @@ def ours() -> dict:
 def vllm(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
 
-    questions = json.load(open(args.questions))["questions"]
+    with open(args.questions) as f:
+        questions = json.load(f)["questions"]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     chats = [[{"role": "user", "content": q}] for q in questions]
     tokens = {}
@@ -65,7 +66,8 @@ def main() -> None:
     t = report["tokens"]
     report["bf16_agrees_with_fp32"] = sum(a == b for a, b in zip(t["float32"], t["bfloat16"]))
     if args.engine == "vllm" and args.questions:
-        mine = json.load(open(args.questions))["tokens"]
+        with open(args.questions) as f:
+            mine = json.load(f)["tokens"]
         for dtype in ("float32", "bfloat16"):
             same = sum(a == b for a, b in zip(t[dtype], mine[dtype]))
             report[f"{dtype}_agrees_with_ours"] = same

@@ -41,20 +41,16 @@ def kernel_reads(storage: DeltaKVStorage, up: UpMap) -> bool:
     return True
 
 
-def has_deltakv(storage: list[KVStorage]) -> bool:
-    """Whether any layer stores DeltaKV."""
-    return any(isinstance(s, DeltaKVStorage) for s in storage)
-
-
 class DeltaKVAttention:
     """The DeltaKV layers' attention: the decode kernel, else the reference."""
 
     def __init__(self, storage: list[KVStorage]) -> None:
         self.reference = TorchRefBackend(storage)
         self.storage = storage
-        # Per layer: the up map the kernel reads, or None for the reference (built once
-        # the method has attached its decoder).
-        self._up: dict[int, UpMap | None] = {}
+        # Per layer: the up map and the tensors the kernels read, or None for the
+        # reference (built once the method has attached its decoder; the storage's
+        # tensors are allocated once, so they are kept with the map).
+        self._inputs: dict[int, tuple[UpMap, DeltaKVTensors] | None] = {}
         # The kernel's cos/sin tables, shared by the layers of one RoPE.
         self._rope = RopeTables()
         # The rebuild kernel's dense views, shared by the layers and kept between steps.
@@ -69,7 +65,7 @@ class DeltaKVAttention:
         `deltakv_fused_decode` off, shapes the kernels cannot read) keeps steps eager,
         and a top-k that narrows views keeps its steps eager at replay (graph_ok)."""
         return all(
-            self._up_map(layer, storage) is not None
+            self._kernel_inputs(layer, storage) is not None
             for layer, storage in enumerate(self.storage)
             if isinstance(storage, DeltaKVStorage)
         )
@@ -87,8 +83,8 @@ class DeltaKVAttention:
         storage = self.storage[layer]
         assert isinstance(storage, DeltaKVStorage)
         self.reference.store_step(layer, q, k, v, batch, scale, window)
-        up = self._up_map(layer, storage)
-        if up is None or not _whole_view_decode(layer, batch, window):
+        inputs = self._kernel_inputs(layer, storage)
+        if inputs is None or not _whole_view_decode(layer, batch, window):
             return self.reference.attend_stored(layer, q, k, v, batch, scale, window)
         # A method with decode views may answer None (whole views: the kernel's case);
         # asked once, so a narrowed answer goes to the reference without a second search.
@@ -96,13 +92,13 @@ class DeltaKVAttention:
         picked = None if select_views is None else select_views(layer, q, batch)
         if picked is not None:
             return self.reference.attend_stored(layer, q, k, v, batch, scale, picked=picked)
-        return self._decode(layer, storage, up, q, batch, scale)
+        return self._decode(layer, *inputs, q, batch, scale)
 
     def _decode(
         self,
         layer: int,
-        storage: DeltaKVStorage,
         up: UpMap,
+        t: DeltaKVTensors,
         q: torch.Tensor,  # [S, Hq, D]
         batch: ForwardBatch,
         scale: float,
@@ -120,7 +116,7 @@ class DeltaKVAttention:
             capturing = batch.sparse.capturing
             return deltakv_rebuild_attention(
                 q,
-                _tensors(storage, up),
+                t,
                 table,
                 batch.rows_t,
                 batch.view_lens_t[group],
@@ -132,7 +128,7 @@ class DeltaKVAttention:
             )
         deltakv_decode_attention(
             q,
-            _tensors(storage, up),
+            t,
             table,
             batch.rows_t,
             batch.view_lens_t[group],
@@ -142,16 +138,21 @@ class DeltaKVAttention:
         )
         return out
 
-    def _up_map(self, layer: int, storage: DeltaKVStorage) -> UpMap | None:
-        """The layer's up map in the pool's dtype when the kernel reads the layer, else
-        None (cached once the decoder is attached)."""
-        if layer in self._up:
-            return self._up[layer]
+    def _kernel_inputs(
+        self, layer: int, storage: DeltaKVStorage
+    ) -> tuple[UpMap, DeltaKVTensors] | None:
+        """The layer's up map in the pool's dtype and the tensors the kernels read, when
+        a kernel reads the layer, else None (cached once the decoder is attached)."""
+        if layer in self._inputs:
+            return self._inputs[layer]
         if storage.decoder is None:
             return None  # not attached yet: the reference raises its own error
         up = storage.decoder.up_map(storage.dtype)
-        self._up[layer] = up if up is not None and kernel_reads(storage, up) else None
-        return self._up[layer]
+        inputs = None
+        if up is not None and kernel_reads(storage, up):
+            inputs = (up, _tensors(storage, up))
+        self._inputs[layer] = inputs
+        return inputs
 
 
 def _whole_view_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:

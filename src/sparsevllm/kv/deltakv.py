@@ -73,7 +73,7 @@ class UpMap:
     # The decode kernel that reads it (the method's deltakv_decode_kernel): "fused"
     # rebuilds tiles where it scores them, "rebuild" rebuilds the views into a dense
     # scratch for the dense decode kernel.
-    kernel: str = "rebuild"
+    kernel: str
 
 
 class LatentDecoder(Protocol):

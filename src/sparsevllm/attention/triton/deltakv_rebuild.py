@@ -72,7 +72,7 @@ class RebuildScratch:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V, the identity table and its rows `[G]`, for `group` views of at most
         `longest` positions (the table's row stride is the buffers' W >= longest)."""
-        width = -(-max(1, longest) // ROW_QUANTUM) * ROW_QUANTUM
+        width = row_width(longest)
         have = self._key
         fits = have is not None and have[0] >= group and have[1] >= width
         if not fits or have is None or have[2:] != (heads, dim, dtype, device):
@@ -83,6 +83,12 @@ class RebuildScratch:
             self._bufs = (k, torch.empty_like(k), ident.view(group, width), rows)
         assert self._bufs is not None
         return self._bufs
+
+
+def row_width(longest: int) -> int:
+    """Positions a scratch row holds for views of at most `longest` (a multiple of
+    ROW_QUANTUM)."""
+    return -(-max(1, longest) // ROW_QUANTUM) * ROW_QUANTUM
 
 
 @triton.jit
@@ -138,7 +144,7 @@ def _rebuild_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations
             HALF, NREF, HAS_BIAS,
         )  # fmt: skip
         b_lo, b_hi = up_project(
-            b_lo, b_hi, lat_row, m & comp[:, None], w_ptr + (HKV * D + kvh * D) * stride_w,
+            b_lo, b_hi, lat_row, comp[:, None], w_ptr + (HKV * D + kvh * D) * stride_w,
             z_scale, z_zero, stride_w, PW, BITS, BLOCK_R, HALF, DOT_PREC,
         )  # fmt: skip
         v_lo = tl.where(fm, v_lo, b_lo.to(dt))
@@ -176,7 +182,7 @@ def deltakv_rebuild_attention(
     if num_seqs == 0:
         return out
     cos, sin = rope_args(t.freqs, rope, table.shape[1], head_dim, q.device)
-    per_seq = 2 * max(1, longest) * num_kv_heads * head_dim * t.full_k.element_size()
+    per_seq = 2 * row_width(longest) * num_kv_heads * head_dim * t.full_k.element_size()
     group = max(1, min(num_seqs, scratch_bytes // per_seq))
     scratch = scratch if scratch is not None else RebuildScratch()
     k_scr, v_scr, ident, ident_rows = scratch.get(
