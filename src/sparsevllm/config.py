@@ -75,6 +75,10 @@ FIELD_HELP: dict[str, str] = {
     "function: off (the default: a first start would pay about 80 s of compilation on 2 "
     "cores), auto (for a float32 or bfloat16 Llama-family model of at least 50M parameters; "
     "bfloat16 where oneDNN packs bfloat16 weights), or on.",
+    "attention_backend": "Attention kernels: auto (triton on CUDA, cpu on the CPU), cpu (the "
+    "torch reference plus a native C decode kernel that reads K/V in place; compiled once "
+    "per machine with the system's C compiler, the reference where there is none), torch "
+    "(the reference: views gathered for SDPA; any device) or triton (CUDA).",
     "measure_kv_reads": "Count the KV slots decode steps read (bench throughput's roofline; "
     "a few small device operations per layer for methods that select decode views).",
     "async_scheduling": "Overlap the host's per-step work with the device: launch the next "
@@ -137,6 +141,9 @@ FIELD_HELP: dict[str, str] = {
     "arguments, JSON keys and CLI flags take them by name, next to these settings.",
 }
 
+# attention/backend.py's backends, and auto (chosen by device).
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+
 # Shared budget settings and their validation bounds (inclusive minimum).
 _KNOB_MINIMUM = {
     "sink_keep_tokens": 0,
@@ -171,6 +178,7 @@ class EngineConfig:
     kv_slot_order: str = "sequential"
     enforce_eager: bool = False
     cpu_compile: str = "off"
+    attention_backend: str = "auto"
     measure_kv_reads: bool = False
     async_scheduling: bool | None = None
     sparse_method: str = "vanilla"
@@ -225,6 +233,7 @@ class EngineConfig:
         _check_choice("kv_slot_order", self.kv_slot_order, ("sequential", "shuffled"))
         _check_type("enforce_eager", self.enforce_eager, bool)
         _check_choice("cpu_compile", self.cpu_compile, ("auto", "on", "off"))
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_type("measure_kv_reads", self.measure_kv_reads, bool)
         if self.async_scheduling is not None:
             _check_type("async_scheduling", self.async_scheduling, bool)

@@ -200,12 +200,31 @@ class AttentionBackend(abc.ABC):
 _BACKENDS: dict[str, str] = {
     "torch": "sparsevllm.attention.torch_ref:TorchRefBackend",
     "triton": "sparsevllm.attention.triton_backend:TritonBackend",
+    "cpu": "sparsevllm.attention.cpu_backend:CPUBackend",
 }
 
 
 def default_backend_name(device: torch.device) -> str:
-    """Triton kernels on CUDA, the reference implementation elsewhere."""
-    return "triton" if device.type == "cuda" else "torch"
+    """Triton kernels on CUDA, the CPU backend (the reference with a native decode
+    kernel) on the CPU, the reference implementation elsewhere."""
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if device.type == "cpu" else "torch"
+
+
+def resolve_backend_name(choice: str, device: torch.device) -> str:
+    """The backend an `attention_backend` setting names on `device` (auto: the device's
+    default); a backend chosen for kernels that cannot run there is refused, naming those
+    that can."""
+    name = default_backend_name(device) if choice == "auto" else choice
+    runs_on = {"triton": "cuda", "cpu": "cpu"}.get(name)
+    if runs_on is not None and device.type != runs_on:
+        usable = [n for n, d in (("triton", "cuda"), ("cpu", "cpu")) if d == device.type]
+        raise ValueError(
+            f"attention_backend {name!r} runs on {runs_on} devices, not {device.type}; "
+            f"on {device.type} use {', '.join(['auto', *usable, 'torch'])}"
+        )
+    return name
 
 
 def backend_for(name: str, layout: SlotLayout, fmt: KVFormat) -> type[AttentionBackend]:

@@ -85,9 +85,10 @@ class TorchRefBackend(AttentionBackend):
             picks: tuple[torch.Tensor, torch.Tensor] | None = (picked[0], picked[1].cpu())
         else:
             picks = _selection(layer, q, batch) if window is None else None
-        if picks is None and _batched_decode(layer, batch, window):
-            out = attend_decode_batch(q, storage, batch, group, scale, window)
-            return out if expansion is None else expansion.values(out)
+        if picks is None:
+            whole = self.decode_whole_views(layer, q, batch, scale, window)
+            if whole is not None:
+                return whole if expansion is None else expansion.values(whole)
         out = q.new_empty(*q.shape[:2], v.shape[-1])  # [T, Hq, Dv] (MLA: Dv < D)
         expanded: list[tuple[int, int, torch.Tensor]] = []  # (start, n, [n, Hq, Dv_mla])
         for i, (start, n) in enumerate(zip(batch.q_starts, batch.q_lens)):
@@ -125,6 +126,22 @@ class TorchRefBackend(AttentionBackend):
             out[start : start + n] = attend(q_i, k_i, v_i, scale, window, key_mask)
         return out if expansion is None else _up_projected(expansion, out, expanded)
 
+    def decode_whole_views(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [S, Hq, D]
+        batch: ForwardBatch,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor | None:  # [S, Hq, Dv]
+        """Every sequence's single query over its whole view in one call, where that serves
+        the step (no selection, no scores asked); None: the per-sequence loop. Here: one
+        padded attention for two or more sequences."""
+        if not _batched_decode(layer, batch, window):
+            return None
+        group = batch.group_of_layer[layer]
+        return attend_decode_batch(q, self.storage[layer], batch, group, scale, window)
+
     def _attend_sparse(
         self,
         q: torch.Tensor,  # [n, Hq, D]
@@ -152,15 +169,21 @@ def _up_projected(
     return values
 
 
-def _batched_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:
-    """Whether every sequence decodes one token over its whole view with no scores asked:
-    one padded attention then serves them all (the per-sequence loop costs ~8 operators
-    per sequence and layer, most of a CPU decode step's overhead at batch 16)."""
-    if batch.num_seqs < 2 or not batch.decode_only:
+def whole_view_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:
+    """Whether every sequence decodes one token over its whole view with no scores asked
+    (the method's selection, if any, is asked separately)."""
+    if not batch.decode_only:
         return False
     return window is not None or not any(
         batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs)
     )
+
+
+def _batched_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:
+    """Whether one padded attention serves every sequence's decode query (the
+    per-sequence loop costs ~8 operators per sequence and layer, most of a CPU decode
+    step's overhead at batch 16)."""
+    return batch.num_seqs >= 2 and whole_view_decode(layer, batch, window)
 
 
 def attend_decode_batch(

@@ -10,7 +10,12 @@ from typing import NamedTuple, Protocol, cast
 
 import torch
 
-from sparsevllm.attention.backend import ForwardBatch, backend_for, default_backend_name
+from sparsevllm.attention.backend import (
+    ForwardBatch,
+    backend_for,
+    default_backend_name,
+    resolve_backend_name,
+)
 from sparsevllm.attention.sparse_prefill import PrefillSparsity
 from sparsevllm.attention.sparse_step import SelectViews, SparseStep
 from sparsevllm.calibration.identity import model_identity
@@ -153,7 +158,12 @@ class ModelRunner:
         own = self.layout.num_slots(self.methods.state_bytes_per_slot, act, scratch)
         self.num_slots = tp.min_int(own)  # every rank's pool the same (free memory varies)
         self.kv_storage: list[KVStorage] = self.layout.create(self.num_slots, scratch)
-        backend = backend_for(default_backend_name(self.device), self.slot_layout, self.kv_format)
+        choice = config.attention_backend
+        if choice == "auto":
+            name = default_backend_name(self.device)
+        else:
+            name = resolve_backend_name(choice, self.device)
+        backend = backend_for(name, self.slot_layout, self.kv_format)
         self.backend = backend(self.kv_storage, prefill_sparsity_of(config))
         self.scratch_slots = scratch
         self._encode = encoder_of(source)

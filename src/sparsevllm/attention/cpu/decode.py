@@ -1,0 +1,99 @@
+"""Single-query (decode) attention over a token-slot KV pool on the CPU, reading K and V
+in place through the slot table (decode_attention.c), instead of copying every view out
+of the pool and padding the batch for SDPA.
+
+`decode_attention` returns None where the native kernel does not apply (no compiler, a
+tensor off the CPU or of an element type the kernel does not read); the caller then
+takes its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from sparsevllm.attention.cpu.native import load
+
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Keys per split of a view at least: below that a split's fixed cost outweighs the
+# parallelism it adds.
+MIN_SPLIT_KEYS = 64
+
+
+def _signature(fn: ctypes._NamedFuncPointer) -> None:
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    args: list[type[ctypes.c_void_p] | type[ctypes.c_int] | type[ctypes.c_int64]]
+    args = [p, p, p, i32, i64, i64, p, i64, p, p, p]
+    fn.argtypes = args + [i32] * 9  # then the int sizes and flags
+    fn.restype = i32
+
+
+def _kernel() -> ctypes._NamedFuncPointer | None:
+    lib = load("decode_attention")
+    if lib is None:
+        return None
+    fn = lib.svllm_decode_attention
+    if fn.argtypes is None:
+        _signature(fn)
+    return fn
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """A slot's row `[Hkv, D]` is one contiguous run (the kernel reads it whole)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def available() -> bool:
+    """Whether the native kernel is built (compiling it on first call)."""
+    return _kernel() is not None
+
+
+def num_splits(num_seqs: int, max_len: int, threads: int) -> int:
+    """Splits per view (a work item is a sequence's split, every KV head): enough items
+    for every thread twice over, each split at least MIN_SPLIT_KEYS keys."""
+    want = math.ceil(2 * threads / max(num_seqs, 1))
+    return max(1, min(want, max_len // MIN_SPLIT_KEYS))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [S, Hq, D]
+    k: torch.Tensor,  # [num_slots, Hkv, D]
+    v: torch.Tensor,  # [num_slots, Hkv, Dv]
+    table: torch.Tensor,  # [num_rows, max_len] int32 slot ids
+    rows: torch.Tensor,  # [S] int32: each sequence's table row
+    lens: torch.Tensor,  # [S] int32: view lengths, the query's own token included
+    max_len: int,  # the longest view
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor | None:  # [S, Hq, Dv] in q's dtype
+    """Every sequence's query over its whole view (the last `window` entries with a
+    sliding window), or None where the kernel does not apply."""
+    fn = _kernel()
+    tensors = (q, k, v, table, rows, lens)
+    if fn is None or any(t.device.type != "cpu" for t in tensors):
+        return None
+    if k.dtype not in _KV_DTYPES or v.dtype != k.dtype or q.dtype not in _KV_DTYPES:
+        return None
+    if not (_rows_contiguous(k) and _rows_contiguous(v) and table.stride(-1) == 1):
+        return None
+    if table.dtype != torch.int32 or rows.dtype != torch.int32 or lens.dtype != torch.int32:
+        return None
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, value_dim = k.shape[1], v.shape[2]
+    threads = torch.get_num_threads()
+    splits = num_splits(num_seqs, max_len, threads)
+    qf = (q.float() * (scale * math.log2(math.e))).contiguous()  # the softmax in exp2
+    out = torch.empty(num_seqs, num_q_heads, value_dim, dtype=torch.float32)
+    rows, lens = rows.contiguous(), lens.contiguous()
+    failed = fn(
+        qf.data_ptr(), k.data_ptr(), v.data_ptr(), _KV_DTYPES[k.dtype],
+        k.stride(0), v.stride(0),
+        table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_q_heads, num_kv_heads, head_dim, value_dim, window or 0, splits,
+        max_len, threads,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("the CPU decode attention kernel could not allocate its buffers")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
