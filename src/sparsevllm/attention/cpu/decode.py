@@ -16,17 +16,18 @@ import torch
 
 from sparsevllm.attention.cpu.native import load
 
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Keys per split of a view at least: below that a split's fixed cost outweighs the
 # parallelism it adds.
 MIN_SPLIT_KEYS = 64
+LOG2E = math.log2(math.e)
 
 
 def _signature(fn: ctypes._NamedFuncPointer) -> None:
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    args: list[type[ctypes.c_void_p] | type[ctypes.c_int] | type[ctypes.c_int64]]
-    args = [p, p, p, i32, i64, i64, p, i64, p, p, p]
-    fn.argtypes = args + [i32] * 9  # then the int sizes and flags
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    args: list[type[ctypes.c_void_p | ctypes.c_int | ctypes.c_int64 | ctypes.c_float]]
+    args = [p, i32, i64, i64, f32, p, p, i32, i64, i64, p, i64, p, p, p]
+    fn.argtypes = args + [i32] * 9  # then the sizes, window, splits and threads
     fn.restype = i32
 
 
@@ -74,26 +75,28 @@ def decode_attention(
     tensors = (q, k, v, table, rows, lens)
     if fn is None or any(t.device.type != "cpu" for t in tensors):
         return None
-    if k.dtype not in _KV_DTYPES or v.dtype != k.dtype or q.dtype not in _KV_DTYPES:
+    if k.dtype not in _DTYPES or v.dtype != k.dtype or q.dtype not in _DTYPES:
         return None
     if not (_rows_contiguous(k) and _rows_contiguous(v) and table.stride(-1) == 1):
         return None
     if table.dtype != torch.int32 or rows.dtype != torch.int32 or lens.dtype != torch.int32:
         return None
+    if q.stride(2) != 1:
+        return None
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, value_dim = k.shape[1], v.shape[2]
     threads = torch.get_num_threads()
     splits = num_splits(num_seqs, max_len, threads)
-    qf = (q.float() * (scale * math.log2(math.e))).contiguous()  # the softmax in exp2
-    out = torch.empty(num_seqs, num_q_heads, value_dim, dtype=torch.float32)
+    out = torch.empty(num_seqs, num_q_heads, value_dim, dtype=q.dtype)
     rows, lens = rows.contiguous(), lens.contiguous()
     failed = fn(
-        qf.data_ptr(), k.data_ptr(), v.data_ptr(), _KV_DTYPES[k.dtype],
-        k.stride(0), v.stride(0),
+        q.data_ptr(), _DTYPES[q.dtype], q.stride(0), q.stride(1),
+        scale * LOG2E,  # the softmax in exp2
+        k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], k.stride(0), v.stride(0),
         table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
         num_seqs, num_q_heads, num_kv_heads, head_dim, value_dim, window or 0, splits,
         max_len, threads,
     )  # fmt: skip
     if failed:
         raise MemoryError("the CPU decode attention kernel could not allocate its buffers")
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out

@@ -11,9 +11,10 @@
  * exactly (max, then exp2 of the differences). With more than one split per view, the
  * parts' (max, sum, output) go to a workspace and are merged as in flash decoding.
  *
- * The query comes in float32, already multiplied by the softmax scale times log2(e),
- * so the softmax is exp2 of logit differences; the output is float32. All arithmetic
- * is float32. The compiler flags allow reassociation (vectorized dot products and
+ * Queries and outputs are in the compute dtype (float32, bfloat16 or float16); the
+ * queries are taken to float32 times the softmax scale times log2(e) first, so the
+ * softmax is exp2 of logit differences, and the outputs are rounded to nearest even at
+ * the end, as torch rounds. All arithmetic is float32. The compiler flags allow reassociation (vectorized dot products and
  * sums) but not finite-math assumptions.
  */
 #include <float.h>
@@ -260,27 +261,66 @@ static void attend_item(const Views *w, int64_t item, float *buf, int chunk, flo
     }
 }
 
-/* Exported: see attention/cpu/decode.py. Returns 0, or 1 when memory ran out. */
-int svllm_decode_attention(const float *q, const void *k, const void *v, int kv_dtype,
+/* float32 -> bfloat16, rounding to nearest even as torch does (NaN stays a NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Queries [S, Hq, D] of any element type and row strides as float32 times `scale`. */
+static void load_queries(const void *q, int dtype, int64_t stride_s, int64_t stride_h, int num_seqs,
+                         int num_q_heads, int head_dim, float scale, float *dst) {
+    for (int s = 0; s < num_seqs; s++)
+        for (int h = 0; h < num_q_heads; h++) {
+            float *row = dst + ((int64_t)s * num_q_heads + h) * head_dim;
+            load_row(q, s * stride_s + h * stride_h, dtype, head_dim, row);
+            for (int d = 0; d < head_dim; d++) row[d] *= scale;
+        }
+}
+
+/* `n` float32 outputs into `out` (contiguous) in element type `dtype`. */
+static void store_outputs(const float *src, void *out, int dtype, int64_t n) {
+    if (dtype == KV_F32) {
+        memcpy(out, src, sizeof(float) * (size_t)n);
+    } else if (dtype == KV_BF16) {
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)out)[i] = f32_to_bf16(src[i]);
+    } else {
+        for (int64_t i = 0; i < n; i++) ((_Float16 *)out)[i] = (_Float16)src[i];
+    }
+}
+
+/* Exported: see attention/cpu/decode.py. `q` [S, Hq, D] and `out` [S, Hq, Dv] (contiguous)
+ * in element type `q_dtype`; `k`, `v` [slots, Hkv, D | Dv] in `kv_dtype`. Returns 0, or 1
+ * when memory ran out. */
+int svllm_decode_attention(const void *q, int q_dtype, int64_t q_stride_s, int64_t q_stride_h,
+                           float scale, const void *k, const void *v, int kv_dtype,
                            int64_t k_slot, int64_t v_slot, const int32_t *table,
                            int64_t table_row, const int32_t *rows, const int32_t *lens,
-                           float *out, int num_seqs, int num_q_heads, int num_kv_heads,
+                           void *out, int num_seqs, int num_q_heads, int num_kv_heads,
                            int head_dim, int value_dim, int window, int splits, int max_len,
                            int num_threads) {
-    const int elem_bytes = kv_dtype == KV_F32 ? 4 : 2;
-    const Views w = {q, k, v, k_slot, v_slot, table, table_row, rows, lens, kv_dtype,
-                     elem_bytes, num_q_heads, num_kv_heads, head_dim, value_dim, window, splits};
     const int width = num_kv_heads * (head_dim > value_dim ? head_dim : value_dim);
     const int chunk = (max_len + splits - 1) / splits;
     const int64_t rows_out = (int64_t)num_seqs * num_q_heads * splits;
     const int64_t items = (int64_t)num_seqs * splits;
+    const int64_t q_count = (int64_t)num_seqs * num_q_heads * head_dim;
+    const int64_t out_count = (int64_t)num_seqs * num_q_heads * value_dim;
     /* per thread: logits [Hq, chunk], VALUE_BLOCK rows [width], the part's m, l [Hq] and
      * acc [Hq, Dv] */
     const size_t per_thread = (size_t)num_q_heads * ((size_t)chunk + 2 + (size_t)value_dim) +
                               (size_t)VALUE_BLOCK * (size_t)width;
-    float *ws = malloc(sizeof(float) * (size_t)rows_out * (size_t)(2 + value_dim));
+    /* the workspace: parts' m, l, acc; the scaled float32 queries; the float32 outputs */
+    float *ws = malloc(sizeof(float) *
+                       ((size_t)rows_out * (size_t)(2 + value_dim) + (size_t)(q_count + out_count)));
     if (!ws) return 1;
     float *ws_m = ws, *ws_l = ws + rows_out, *ws_acc = ws + 2 * rows_out;
+    float *qf = ws_acc + rows_out * value_dim, *outf = qf + q_count;
+    load_queries(q, q_dtype, q_stride_s, q_stride_h, num_seqs, num_q_heads, head_dim, scale, qf);
+    const Views w = {qf, k, v, k_slot, v_slot, table, table_row, rows, lens, kv_dtype,
+                     kv_dtype == KV_F32 ? 4 : 2, num_q_heads, num_kv_heads, head_dim,
+                     value_dim, window, splits};
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
     {
@@ -295,7 +335,10 @@ int svllm_decode_attention(const float *q, const void *k, const void *v, int kv_
         }
         free(buf);
     }
-    if (!failed) merge_parts(&w, num_seqs, ws_m, ws_l, ws_acc, out);
+    if (!failed) {
+        merge_parts(&w, num_seqs, ws_m, ws_l, ws_acc, outf);
+        store_outputs(outf, out, q_dtype, out_count);
+    }
     free(ws);
     return failed;
 }
