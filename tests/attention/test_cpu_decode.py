@@ -12,7 +12,8 @@ import torch
 
 from sparsevllm import LLM, SamplingParams
 from sparsevllm.attention import torch_ref
-from sparsevllm.attention.cpu import decode, native
+from sparsevllm.attention.cpu import decode
+from sparsevllm.native import build as native
 from tiny_gemma3 import save_tiny_gemma3
 
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))

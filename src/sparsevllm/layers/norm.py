@@ -1,7 +1,8 @@
 """RMSNorm variants: Llama / Qwen (weight * normalised x) and Gemma (x * (1 + weight)).
 
 On CUDA both run as one fused Triton kernel (`attention/triton/norm.py`, the same
-rounding points); elsewhere as the torch ops below, which define them.
+rounding points), on the CPU as one native call (`layers/cpu_norm.py`, the same rounding
+points) where a C compiler built it; the torch ops below define them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sparsevllm.layers.cpu_norm import rms_norm as cpu_rms_norm
 
 
 def _fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool):
@@ -26,6 +29,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return _fused_rms_norm(x, self.weight, self.eps, gemma=False)
+        native = cpu_rms_norm(x, self.weight, self.eps, gemma=False)
+        if native is not None:
+            return native
         # One fused operator for HF's pow / mean / rsqrt / multiply in float32: a decode
         # step on the CPU runs 61 of these, and each eager operator costs microseconds.
         normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
@@ -47,5 +53,8 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return _fused_rms_norm(x, self.weight, self.eps, gemma=True)
+        native = cpu_rms_norm(x, self.weight, self.eps, gemma=True)
+        if native is not None:
+            return native
         xf = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

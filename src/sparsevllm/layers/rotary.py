@@ -132,17 +132,20 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at `positions`, `[T, 1, D/2]` each. Every layer of a forward passes
-        the same positions tensor: they are looked up once (kept with that tensor, which the
-        reference keeps alive, so a later step's positions are never mistaken for it)."""
+        """`[cos, cos]` and `[-sin, sin]` at `positions`, `[T, 1, D]` each (the rotate-half
+        layout's factors). Every layer of a forward passes the same positions tensor: they
+        are looked up once (kept with that tensor, which the reference keeps alive, so a
+        later step's positions are never mistaken for it)."""
         if self._last is None or self._last[0] is not positions:
-            cos = self.cos_cache[positions].unsqueeze(1)
+            cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
             sin = self.sin_cache[positions].unsqueeze(1)
-            self._last = (positions, cos, sin)
+            self._last = (positions, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         return self._last[1], self._last[2]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    """HF's rotate-half RoPE, `(x1 cos - x2 sin, x2 cos + x1 sin)`, as `x * [cos, cos] +
+    roll(x) * [-sin, sin]` with `roll(x) = (x2, x1)`: the same products and sums, so the
+    same bits, in five operators instead of nine."""
+    xf = x.float()  # [T, H, D]
+    return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)

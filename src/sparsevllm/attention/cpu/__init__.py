@@ -1,2 +1,2 @@
-"""Native CPU kernels: C sources compiled once per machine by the system's C compiler
-(native.py) and called through ctypes (decode.py)."""
+"""The CPU attention backend's native decode kernel (sparsevllm/native/decode_attention.c),
+called through ctypes (decode.py)."""

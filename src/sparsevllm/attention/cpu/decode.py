@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from sparsevllm.attention.cpu.native import load
+from sparsevllm.native.build import load
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Keys per split of a view at least: below that a split's fixed cost outweighs the

@@ -1,5 +1,5 @@
 /* Decode attention over a token-slot KV pool, read in place, for the CPU backend
- * (attention/cpu_backend.py; built and loaded by attention/cpu/native.py).
+ * (attention/cpu_backend.py via attention/cpu/decode.py; built and loaded by native/build.py).
  *
  * Every sequence s has one query per query head and a view: the slot ids
  * table[rows[s], 0 .. lens[s] - 1], its own new token last. A sliding-window layer

@@ -1,0 +1,54 @@
+"""RMSNorm on the CPU through a native kernel (sparsevllm/native/rms_norm.c): one call
+instead of the reference form's ~8 torch operators (28 us against ~6 us for one decode
+row of the default model; a step runs 61 of them). `rms_norm` returns None where the
+kernel does not apply (no C compiler, another device or element type, a weight of
+another length); layers/norm.py then computes the reference form."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from sparsevllm.native.build import load
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _kernel() -> ctypes._NamedFuncPointer | None:
+    lib = load("rms_norm")
+    if lib is None:
+        return None
+    fn = lib.svllm_rms_norm
+    if fn.argtypes is None:
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn.argtypes = [p, i64, p, p, i32, i32, i64, i32, ctypes.c_float, i32]
+        fn.restype = None
+    return fn
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    gemma: bool,
+) -> torch.Tensor | None:  # [..., hidden], x's dtype
+    """layers/norm.py's RMSNorm (Llama's form, or Gemma's `1 + weight`), or None."""
+    fn = _kernel()
+    code, w_code = _DTYPES.get(x.dtype), _DTYPES.get(weight.dtype)
+    if fn is None or code is None or w_code is None or x.device.type != "cpu":
+        return None
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,) or weight.stride(0) != 1:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None  # the kernel has no backward
+    rows = x.reshape(-1, hidden)  # a view where the rows are evenly strided
+    if rows.stride(1) != 1:
+        return None
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    fn(
+        rows.data_ptr(), rows.stride(0), out.data_ptr(), weight.data_ptr(), code, w_code,
+        rows.shape[0], hidden, eps, int(gemma),
+    )  # fmt: skip
+    return out
