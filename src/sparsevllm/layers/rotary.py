@@ -1,4 +1,7 @@
-"""Rotary position embeddings (RoPE), including Llama-3 and YaRN frequency scaling."""
+"""Rotary position embeddings (RoPE), including Llama-3 and YaRN frequency scaling.
+
+On CUDA one Triton kernel, on the CPU one native call (layers/cpu_rope.py) where a C
+compiler built it; `_rotate` below defines the rounding points both keep."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from sparsevllm.layers.cpu_rope import rope as cpu_rope
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -128,6 +133,10 @@ class RotaryEmbedding(nn.Module):
             from sparsevllm.attention.triton.rope import apply_rope
 
             return apply_rope(positions, q, k, self.cos_cache, self.sin_cache)
+        if q.shape[-1] == self.head_dim and q.shape[-1] % 2 == 0:
+            native = cpu_rope(positions, q, k, self.cos_cache, self.sin_cache)
+            if native is not None:
+                return native
         cos, sin = self._angles(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

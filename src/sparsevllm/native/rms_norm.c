@@ -9,6 +9,7 @@
  *                product rounded (float32: no rounding);
  *   Gemma-style: times (1 + weight) in float32, then rounded.
  * Element types: 0 float32, 1 bfloat16 (rounded to nearest even, as torch), 2 float16.
+ * Rows are independent: a long chunk's go over OpenMP threads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,7 +56,9 @@ static inline void store(void *p, int64_t i, float f, int dtype) {
 /* x [rows, n] (row stride `stride` elements) -> out [rows, n] contiguous, both of
  * element type `dtype`; the weight [n] of element type `w_dtype`. */
 void svllm_rms_norm(const void *x, int64_t stride, void *out, const void *weight, int dtype,
-                    int w_dtype, int64_t rows, int n, float eps, int gemma) {
+                    int w_dtype, int64_t rows, int n, float eps, int gemma, int num_threads) {
+    /* A prefill chunk's thousands of rows over the threads; a decode step's few on one. */
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && rows >= 64)
     for (int64_t r = 0; r < rows; r++) {
         float sum = 0.0f;
         for (int i = 0; i < n; i++) {

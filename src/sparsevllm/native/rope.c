@@ -1,0 +1,75 @@
+/* Rotary position embedding on the CPU (layers/cpu_rope.py; built and loaded by
+ * native/build.py): q and k of a forward in one call instead of ~10 torch operators
+ * per tensor.
+ *
+ * Hugging Face's rotate-half form, with the rounding points of layers/rotary.py: the
+ * element in float32, `x1 cos - x2 sin` and `x2 cos + x1 sin` as separate products and
+ * sums (contraction into fused multiply-adds is off for this file's rotation, so the
+ * bits equal torch's), rounded to the element type. cos and sin come from the float32
+ * tables [max_position, D/2] at each token's position.
+ * Element types: 0 float32, 1 bfloat16 (rounded to nearest even, as torch), 2 float16.
+ */
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float load(const void *p, int64_t i, int dtype) {
+    if (dtype == F32) return ((const float *)p)[i];
+    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return (float)((const _Float16 *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float f, int dtype) {
+    if (dtype == F32)
+        ((float *)p)[i] = f;
+    else if (dtype == BF16)
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else
+        ((_Float16 *)p)[i] = (_Float16)f;
+}
+
+/* One head's row of D at element offset `in` of `x` into offset `out` of `y`. */
+__attribute__((optimize("fp-contract=off"))) static void rotate_row(
+    const void *x, int64_t in, void *y, int64_t out, const float *cos, const float *sin,
+    int half, int dtype) {
+    for (int i = 0; i < half; i++) {
+        const float x1 = load(x, in + i, dtype), x2 = load(x, in + half + i, dtype);
+        const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
+        store(y, out + i, a - b, dtype);
+        store(y, out + half + i, c + d, dtype);
+    }
+}
+
+/* q [T, Hq, D] and k [T, Hkv, D] (token and head strides in elements; rows contiguous)
+ * -> q_out, k_out contiguous, all of element type `dtype`. */
+void svllm_rope(const void *q, int64_t q_tok, int64_t q_head, const void *k, int64_t k_tok,
+                int64_t k_head, int dtype, const int64_t *positions, const float *cos_table,
+                const float *sin_table, int64_t tokens, int num_q_heads, int num_kv_heads,
+                int head_dim, void *q_out, void *k_out, int num_threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cos = cos_table + positions[t] * half, *sin = sin_table + positions[t] * half;
+        for (int h = 0; h < num_q_heads; h++)
+            rotate_row(q, t * q_tok + h * q_head, q_out, (t * num_q_heads + h) * head_dim, cos,
+                       sin, half, dtype);
+        for (int h = 0; h < num_kv_heads; h++)
+            rotate_row(k, t * k_tok + h * k_head, k_out, (t * num_kv_heads + h) * head_dim, cos,
+                       sin, half, dtype);
+    }
+}
