@@ -10,21 +10,18 @@ import ctypes
 
 import torch
 
-from sparsevllm.native.build import load
+from sparsevllm.native.build import Argument, function
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+# x, its row stride, out, weight, their types, rows, hidden, eps, gemma, threads
+_ARGS: list[Argument] = [_P, _I64, _P, _P, _I32, _I32, _I64, _I32, ctypes.c_float, _I32, _I32]
+
+
 def _kernel() -> ctypes._NamedFuncPointer | None:
-    lib = load("rms_norm")
-    if lib is None:
-        return None
-    fn = lib.svllm_rms_norm
-    if fn.argtypes is None:
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        fn.argtypes = [p, i64, p, p, i32, i32, i64, i32, ctypes.c_float, i32, i32]
-        fn.restype = None
-    return fn
+    return function("rms_norm", "svllm_rms_norm", _ARGS, None)
 
 
 def rms_norm(

@@ -9,21 +9,37 @@ import ctypes
 
 import torch
 
-from sparsevllm.native.build import load
+from sparsevllm.native.build import Argument, function
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+# q and its strides, k and its strides, their type, positions, the cos and sin tables,
+# tokens, the head counts, head_dim, the outputs, threads
+_ARGS: list[Argument] = [
+    _P,
+    _I64,
+    _I64,
+    _P,
+    _I64,
+    _I64,
+    _I32,
+    _P,
+    _P,
+    _P,
+    _I64,
+    _I32,
+    _I32,
+    _I32,
+    _P,
+    _P,
+    _I32,
+]
+
+
 def _kernel() -> ctypes._NamedFuncPointer | None:
-    lib = load("rope")
-    if lib is None:
-        return None
-    fn = lib.svllm_rope
-    if fn.argtypes is None:
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        fn.argtypes = [p, i64, i64, p, i64, i64, i32, p, p, p, i64, i32, i32, i32, p, p, i32]
-        fn.restype = None
-    return fn
+    return function("rope", "svllm_rope", _ARGS, None)
 
 
 def rope(

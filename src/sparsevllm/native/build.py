@@ -90,17 +90,33 @@ def _build(compiler: str, source: Path, target: Path) -> str | None:
     return error
 
 
+Argument = type[ctypes.c_void_p | ctypes.c_int | ctypes.c_int64 | ctypes.c_float]
+
+
+def function(
+    name: str, symbol: str, argtypes: list[Argument], restype: type[ctypes.c_int] | None
+) -> ctypes._NamedFuncPointer | None:
+    """Function `symbol` of `<name>.c`'s library with its C signature, or None."""
+    lib = load(name)
+    if lib is None:
+        return None
+    fn = lib[symbol]
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled library of `<name>.c` beside this module, or None (logged once)."""
     source = Path(__file__).with_name(f"{name}.c")
     compiler = _compiler()
     if compiler is None:
-        logger.warning("no C compiler found: the CPU backend keeps its torch paths")
+        logger.warning("no C compiler found: the CPU kernels' callers keep their torch paths")
         return None
-    key = hashlib.sha256(
-        "\0".join([source.read_text(), *FLAGS, *X86, compiler[1], _processor()]).encode()
-    ).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # included ones
+    parts = [source.read_text(), *headers, *FLAGS, *X86, compiler[1], _processor()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         logger.info("compiling %s for this processor (once)", source.name)

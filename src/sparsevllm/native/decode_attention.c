@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+#include "elements.h"
 
 /* Keys ahead whose rows are prefetched. */
 #define PREFETCH_AHEAD 8
@@ -45,18 +45,11 @@ typedef struct {
     float *m, *l, *acc;
 } Part;
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* `n` elements at element offset `off` of `base`, as float32 into `dst`. */
 static void load_row(const void *base, int64_t off, int dtype, int n, float *restrict dst) {
-    if (dtype == KV_F32) {
+    if (dtype == F32) {
         memcpy(dst, (const float *)base + off, (size_t)n * sizeof(float));
-    } else if (dtype == KV_BF16) {
+    } else if (dtype == BF16) {
         const uint16_t *src = (const uint16_t *)base + off;
         for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
     } else {
@@ -261,14 +254,6 @@ static void attend_item(const Views *w, int64_t item, float *buf, int chunk, flo
     }
 }
 
-/* float32 -> bfloat16, rounding to nearest even as torch does (NaN stays a NaN). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* Queries [S, Hq, D] of any element type and row strides as float32 times `scale`. */
 static void load_queries(const void *q, int dtype, int64_t stride_s, int64_t stride_h, int num_seqs,
                          int num_q_heads, int head_dim, float scale, float *dst) {
@@ -282,9 +267,9 @@ static void load_queries(const void *q, int dtype, int64_t stride_s, int64_t str
 
 /* `n` float32 outputs into `out` (contiguous) in element type `dtype`. */
 static void store_outputs(const float *src, void *out, int dtype, int64_t n) {
-    if (dtype == KV_F32) {
+    if (dtype == F32) {
         memcpy(out, src, sizeof(float) * (size_t)n);
-    } else if (dtype == KV_BF16) {
+    } else if (dtype == BF16) {
         for (int64_t i = 0; i < n; i++) ((uint16_t *)out)[i] = f32_to_bf16(src[i]);
     } else {
         for (int64_t i = 0; i < n; i++) ((_Float16 *)out)[i] = (_Float16)src[i];
@@ -319,7 +304,7 @@ int svllm_decode_attention(const void *q, int q_dtype, int64_t q_stride_s, int64
     float *qf = ws_acc + rows_out * value_dim, *outf = qf + q_count;
     load_queries(q, q_dtype, q_stride_s, q_stride_h, num_seqs, num_q_heads, head_dim, scale, qf);
     const Views w = {qf, k, v, k_slot, v_slot, table, table_row, rows, lens, kv_dtype,
-                     kv_dtype == KV_F32 ? 4 : 2, num_q_heads, num_kv_heads, head_dim,
+                     kv_dtype == F32 ? 4 : 2, num_q_heads, num_kv_heads, head_dim,
                      value_dim, window, splits};
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)

@@ -8,49 +8,18 @@
  *   Llama-style: the normalised row rounded to the element type, times the weight, the
  *                product rounded (float32: no rounding);
  *   Gemma-style: times (1 + weight) in float32, then rounded.
- * Element types: 0 float32, 1 bfloat16 (rounded to nearest even, as torch), 2 float16.
+ * Element types as in elements.h.
  * Rows are independent: a long chunk's go over OpenMP threads.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline float load(const void *p, int64_t i, int dtype) {
-    if (dtype == F32) return ((const float *)p)[i];
-    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
-    return (float)((const _Float16 *)p)[i];
-}
+#include "elements.h"
 
 /* `f` rounded to the element type and back (the identity for float32). */
 static inline float rounded(float f, int dtype) {
     if (dtype == BF16) return bf16_to_f32(f32_to_bf16(f));
     if (dtype == F16) return (float)(_Float16)f;
     return f;
-}
-
-static inline void store(void *p, int64_t i, float f, int dtype) {
-    if (dtype == F32)
-        ((float *)p)[i] = f;
-    else if (dtype == BF16)
-        ((uint16_t *)p)[i] = f32_to_bf16(f);
-    else
-        ((_Float16 *)p)[i] = (_Float16)f;
 }
 
 /* x [rows, n] (row stride `stride` elements) -> out [rows, n] contiguous, both of
@@ -62,15 +31,15 @@ void svllm_rms_norm(const void *x, int64_t stride, void *out, const void *weight
     for (int64_t r = 0; r < rows; r++) {
         float sum = 0.0f;
         for (int i = 0; i < n; i++) {
-            const float v = load(x, r * stride + i, dtype);
+            const float v = load_element(x, r * stride + i, dtype);
             sum += v * v;
         }
         const float inv = 1.0f / sqrtf(sum / (float)n + eps);
         for (int i = 0; i < n; i++) {
-            const float normed = load(x, r * stride + i, dtype) * inv;
-            const float w = load(weight, i, w_dtype);
+            const float normed = load_element(x, r * stride + i, dtype) * inv;
+            const float w = load_element(weight, i, w_dtype);
             const float y = gemma ? normed * (1.0f + w) : w * rounded(normed, dtype);
-            store(out, r * (int64_t)n + i, y, dtype);
+            store_element(out, r * (int64_t)n + i, y, dtype);
         }
     }
 }

@@ -7,51 +7,21 @@
  * sums (contraction into fused multiply-adds is off for this file's rotation, so the
  * bits equal torch's), rounded to the element type. cos and sin come from the float32
  * tables [max_position, D/2] at each token's position.
- * Element types: 0 float32, 1 bfloat16 (rounded to nearest even, as torch), 2 float16.
+ * Element types as in elements.h.
  */
 #include <stdint.h>
-#include <string.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline float load(const void *p, int64_t i, int dtype) {
-    if (dtype == F32) return ((const float *)p)[i];
-    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
-    return (float)((const _Float16 *)p)[i];
-}
-
-static inline void store(void *p, int64_t i, float f, int dtype) {
-    if (dtype == F32)
-        ((float *)p)[i] = f;
-    else if (dtype == BF16)
-        ((uint16_t *)p)[i] = f32_to_bf16(f);
-    else
-        ((_Float16 *)p)[i] = (_Float16)f;
-}
+#include "elements.h"
 
 /* One head's row of D at element offset `in` of `x` into offset `out` of `y`. */
 __attribute__((optimize("fp-contract=off"))) static void rotate_row(
     const void *x, int64_t in, void *y, int64_t out, const float *cos, const float *sin,
     int half, int dtype) {
     for (int i = 0; i < half; i++) {
-        const float x1 = load(x, in + i, dtype), x2 = load(x, in + half + i, dtype);
+        const float x1 = load_element(x, in + i, dtype), x2 = load_element(x, in + half + i, dtype);
         const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
-        store(y, out + i, a - b, dtype);
-        store(y, out + half + i, c + d, dtype);
+        store_element(y, out + i, a - b, dtype);
+        store_element(y, out + half + i, c + d, dtype);
     }
 }
 

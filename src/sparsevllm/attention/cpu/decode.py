@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from sparsevllm.native.build import load
+from sparsevllm.native.build import Argument, function
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Keys per split of a view at least: below that a split's fixed cost outweighs the
@@ -23,22 +23,15 @@ MIN_SPLIT_KEYS = 64
 LOG2E = math.log2(math.e)
 
 
-def _signature(fn: ctypes._NamedFuncPointer) -> None:
-    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    args: list[type[ctypes.c_void_p | ctypes.c_int | ctypes.c_int64 | ctypes.c_float]]
-    args = [p, i32, i64, i64, f32, p, p, i32, i64, i64, p, i64, p, p, p]
-    fn.argtypes = args + [i32] * 9  # then the sizes, window, splits and threads
-    fn.restype = i32
+_P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# q, its type and strides, the scale; K, V, their type and slot strides; the table, its
+# row stride, rows, lens, out; then the sizes, window, splits and threads.
+_ARGS: list[Argument] = [_P, _I32, _I64, _I64, _F32, _P, _P, _I32, _I64, _I64, _P, _I64, _P, _P, _P]
+_ARGS += [_I32] * 9
 
 
 def _kernel() -> ctypes._NamedFuncPointer | None:
-    lib = load("decode_attention")
-    if lib is None:
-        return None
-    fn = lib.svllm_decode_attention
-    if fn.argtypes is None:
-        _signature(fn)
-    return fn
+    return function("decode_attention", "svllm_decode_attention", _ARGS, ctypes.c_int)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
