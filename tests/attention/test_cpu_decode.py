@@ -5,23 +5,21 @@ reference."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
+from native_env import HAS_C_COMPILER
+from native_env import needs_c_compiler as needs_kernel
 from sparsevllm import LLM, SamplingParams
-from sparsevllm.attention import torch_ref
+from sparsevllm.attention import backend, torch_ref
 from sparsevllm.attention.cpu import decode
+from sparsevllm.config import ATTENTION_BACKENDS
 from sparsevllm.native import build as native
 from tiny_gemma3 import save_tiny_gemma3
 
-HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
-needs_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
-
 
 def test_the_kernel_builds_where_a_compiler_exists():
-    if HAS_COMPILER:
+    if HAS_C_COMPILER:
         assert decode.available()
     else:
         assert not decode.available()
@@ -152,6 +150,10 @@ def test_engine_tokens_equal_the_reference_backends(
         lp_w = [t.logprob for t in w.outputs[0].logprobs]
         lp_g = [t.logprob for t in g.outputs[0].logprobs]
         torch.testing.assert_close(torch.tensor(lp_g), torch.tensor(lp_w), atol=1e-4, rtol=0)
+
+
+def test_the_settings_backends_are_the_registered_ones():
+    assert set(ATTENTION_BACKENDS) == {"auto", *backend._BACKENDS}
 
 
 def test_attention_backend_is_a_setting(tiny_llama):

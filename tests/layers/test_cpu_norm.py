@@ -4,17 +4,12 @@ points); the fallbacks where the kernel does not apply."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
+from native_env import needs_c_compiler as needs_kernel
 from sparsevllm.layers import cpu_norm, norm
 from sparsevllm.layers.norm import GemmaRMSNorm, RMSNorm
-
-needs_kernel = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="no C compiler"
-)
 
 
 def _reference(module: torch.nn.Module, x: torch.Tensor, monkeypatch) -> torch.Tensor:

@@ -3,15 +3,12 @@ against HF's rotate-half formula, to the bit."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
+from native_env import HAS_C_COMPILER
 from sparsevllm.layers import cpu_rope, rotary
 from sparsevllm.layers.rotary import RotaryEmbedding
-
-HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -33,7 +30,7 @@ def test_rope_equals_the_rotate_half_formula_to_the_bit(dtype, native, monkeypat
 
     if not native:
         monkeypatch.setattr(rotary, "cpu_rope", lambda *args: None)
-    elif HAS_COMPILER:
+    elif HAS_C_COMPILER:
         assert cpu_rope.rope(positions, q, k, rope.cos_cache, rope.sin_cache) is not None
     got_q, got_k = rope(positions, q, k)
     assert torch.equal(got_q, formula(q)) and torch.equal(got_k, formula(k))

@@ -72,6 +72,11 @@ class ForwardBatch:
         """Every sequence has exactly one new query (the decode kernel's case)."""
         return all(n == 1 for n in self.q_lens)
 
+    def asks_scores(self, layer: int) -> bool:
+        """Whether the sparse method asks any sequence's attention probabilities in
+        `layer` this step (then no kernel that returns only outputs serves it)."""
+        return any(self.sparse.wants_scores(layer, i) for i in range(self.num_seqs))
+
     def max_view_len(self, group: int) -> int:
         return max(self.view_lens[group])
 
@@ -212,11 +217,9 @@ def default_backend_name(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else "torch"
 
 
-def resolve_backend_name(choice: str, device: torch.device) -> str:
-    """The backend an `attention_backend` setting names on `device` (auto: the device's
-    default); a backend chosen for kernels that cannot run there is refused, naming those
-    that can."""
-    name = default_backend_name(device) if choice == "auto" else choice
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """An explicitly chosen `attention_backend` on `device`: one whose kernels cannot run
+    there is refused, naming those that can."""
     runs_on = {"triton": "cuda", "cpu": "cpu"}.get(name)
     if runs_on is not None and device.type != runs_on:
         usable = [n for n, d in (("triton", "cuda"), ("cpu", "cpu")) if d == device.type]

@@ -172,11 +172,7 @@ def _up_projected(
 def whole_view_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:
     """Whether every sequence decodes one token over its whole view with no scores asked
     (the method's selection, if any, is asked separately)."""
-    if not batch.decode_only:
-        return False
-    return window is not None or not any(
-        batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs)
-    )
+    return batch.decode_only and (window is not None or not batch.asks_scores(layer))
 
 
 def _batched_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:

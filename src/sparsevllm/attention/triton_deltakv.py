@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from sparsevllm.attention.backend import ForwardBatch
-from sparsevllm.attention.torch_ref import TorchRefBackend
+from sparsevllm.attention.torch_ref import TorchRefBackend, whole_view_decode
 from sparsevllm.attention.triton.decode_deltakv import deltakv_decode_attention
 from sparsevllm.attention.triton.deltakv_rebuild import RebuildScratch, deltakv_rebuild_attention
 from sparsevllm.attention.triton.deltakv_tiles import DeltaKVTensors, check_kernel_shapes
@@ -84,7 +84,8 @@ class DeltaKVAttention:
         assert isinstance(storage, DeltaKVStorage)
         self.reference.store_step(layer, q, k, v, batch, scale, window)
         inputs = self._kernel_inputs(layer, storage)
-        if inputs is None or not _whole_view_decode(layer, batch, window):
+        # Sliding windows stay with the reference (the kernels attend whole views).
+        if inputs is None or window is not None or not whole_view_decode(layer, batch, window):
             return self.reference.attend_stored(layer, q, k, v, batch, scale, window)
         # A method with decode views may answer None (whole views: the kernel's case);
         # asked once, so a narrowed answer goes to the reference without a second search.
@@ -153,14 +154,6 @@ class DeltaKVAttention:
             inputs = (up, _tensors(storage, up))
         self._inputs[layer] = inputs
         return inputs
-
-
-def _whole_view_decode(layer: int, batch: ForwardBatch, window: int | None) -> bool:
-    """A decode step the kernel may serve: no window, no probabilities asked (its views
-    are then whole unless the method's selection narrows them)."""
-    if window is not None or not batch.decode_only:
-        return False
-    return not any(batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs))
 
 
 def _tensors(storage: DeltaKVStorage, up: UpMap) -> DeltaKVTensors:

@@ -92,4 +92,4 @@ class KiviAttention:
             return False
         if batch.sparse.select_views is not None:
             return False
-        return not any(batch.sparse.wants_scores(layer, i) for i in range(batch.num_seqs))
+        return not batch.asks_scores(layer)

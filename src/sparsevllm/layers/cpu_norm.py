@@ -10,10 +10,7 @@ import ctypes
 
 import torch
 
-from sparsevllm.native.build import Argument, function
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
+from sparsevllm.native.build import ELEMENT_TYPES, Argument, function
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 # x, its row stride, out, weight, their types, rows, hidden, eps, gemma, threads
@@ -32,7 +29,7 @@ def rms_norm(
 ) -> torch.Tensor | None:  # [..., hidden], x's dtype
     """layers/norm.py's RMSNorm (Llama's form, or Gemma's `1 + weight`), or None."""
     fn = _kernel()
-    code, w_code = _DTYPES.get(x.dtype), _DTYPES.get(weight.dtype)
+    code, w_code = ELEMENT_TYPES.get(x.dtype), ELEMENT_TYPES.get(weight.dtype)
     if fn is None or code is None or w_code is None or x.device.type != "cpu":
         return None
     hidden = x.shape[-1]

@@ -9,10 +9,7 @@ import ctypes
 
 import torch
 
-from sparsevllm.native.build import Argument, function
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
+from sparsevllm.native.build import ELEMENT_TYPES, Argument, function
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 # q and its strides, k and its strides, their type, positions, the cos and sin tables,
@@ -51,13 +48,15 @@ def rope(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Rotated q and k (new contiguous tensors), or None."""
     fn = _kernel()
-    code = _DTYPES.get(q.dtype)
+    code = ELEMENT_TYPES.get(q.dtype)
     if fn is None or code is None or k.dtype != q.dtype or q.device.type != "cpu":
         return None
     if q.stride(2) != 1 or k.stride(2) != 1 or positions.dtype != torch.int64:
         return None
     if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
+    if cos.shape[-1] * 2 != q.shape[-1]:
+        return None  # the tables are for another head_dim
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return None  # the kernel has no backward
     tokens, num_q_heads, head_dim = q.shape

@@ -133,10 +133,9 @@ class RotaryEmbedding(nn.Module):
             from sparsevllm.attention.triton.rope import apply_rope
 
             return apply_rope(positions, q, k, self.cos_cache, self.sin_cache)
-        if q.shape[-1] == self.head_dim and q.shape[-1] % 2 == 0:
-            native = cpu_rope(positions, q, k, self.cos_cache, self.sin_cache)
-            if native is not None:
-                return native
+        native = cpu_rope(positions, q, k, self.cos_cache, self.sin_cache)
+        if native is not None:
+            return native
         cos, sin = self._angles(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 # Reassociation lets the dot products and sums vectorize; no finite-math assumption
@@ -89,6 +91,9 @@ def _build(compiler: str, source: Path, target: Path) -> str | None:
         error = done.stderr.strip()[-2000:]
     return error
 
+
+# torch element types as elements.h numbers them (what every kernel reads and writes).
+ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 Argument = type[ctypes.c_void_p | ctypes.c_int | ctypes.c_int64 | ctypes.c_float]
 

@@ -267,13 +267,7 @@ static void load_queries(const void *q, int dtype, int64_t stride_s, int64_t str
 
 /* `n` float32 outputs into `out` (contiguous) in element type `dtype`. */
 static void store_outputs(const float *src, void *out, int dtype, int64_t n) {
-    if (dtype == F32) {
-        memcpy(out, src, sizeof(float) * (size_t)n);
-    } else if (dtype == BF16) {
-        for (int64_t i = 0; i < n; i++) ((uint16_t *)out)[i] = f32_to_bf16(src[i]);
-    } else {
-        for (int64_t i = 0; i < n; i++) ((_Float16 *)out)[i] = (_Float16)src[i];
-    }
+    for (int64_t i = 0; i < n; i++) store_element(out, i, src[i], dtype);
 }
 
 /* Exported: see attention/cpu/decode.py. `q` [S, Hq, D] and `out` [S, Hq, Dv] (contiguous)

@@ -14,9 +14,8 @@ import math
 
 import torch
 
-from sparsevllm.native.build import Argument, function
+from sparsevllm.native.build import ELEMENT_TYPES, Argument, function
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Keys per split of a view at least: below that a split's fixed cost outweighs the
 # parallelism it adds.
 MIN_SPLIT_KEYS = 64
@@ -68,7 +67,7 @@ def decode_attention(
     tensors = (q, k, v, table, rows, lens)
     if fn is None or any(t.device.type != "cpu" for t in tensors):
         return None
-    if k.dtype not in _DTYPES or v.dtype != k.dtype or q.dtype not in _DTYPES:
+    if k.dtype not in ELEMENT_TYPES or v.dtype != k.dtype or q.dtype not in ELEMENT_TYPES:
         return None
     if not (_rows_contiguous(k) and _rows_contiguous(v) and table.stride(-1) == 1):
         return None
@@ -83,9 +82,9 @@ def decode_attention(
     out = torch.empty(num_seqs, num_q_heads, value_dim, dtype=q.dtype)
     rows, lens = rows.contiguous(), lens.contiguous()
     failed = fn(
-        q.data_ptr(), _DTYPES[q.dtype], q.stride(0), q.stride(1),
+        q.data_ptr(), ELEMENT_TYPES[q.dtype], q.stride(0), q.stride(1),
         scale * LOG2E,  # the softmax in exp2
-        k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], k.stride(0), v.stride(0),
+        k.data_ptr(), v.data_ptr(), ELEMENT_TYPES[k.dtype], k.stride(0), v.stride(0),
         table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
         num_seqs, num_q_heads, num_kv_heads, head_dim, value_dim, window or 0, splits,
         max_len, threads,
