@@ -22,7 +22,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from sparsevllm.layers.cpu_linear import pack_weight, packed_linear
+from sparsevllm.layers.cpu_linear import Packed, pack_weight, packed_linear
 
 # Rows from which a float32 call uses the packed oneDNN GEMM (fewer: MKL's, F.linear).
 PACKED_MIN_ROWS = 4
@@ -35,7 +35,7 @@ class PackedWeights:
     stale packed form to a new weight allocated at the same address)."""
 
     def __init__(self) -> None:
-        self._packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self._packed: dict[tuple[int, tuple[int, ...]], Packed] = {}
 
     def add(self, weight: torch.Tensor) -> None:
         """Keep `weight` `[out, in]` (float32 or bfloat16, CPU) also in oneDNN's layout."""
@@ -43,7 +43,7 @@ class PackedWeights:
         if key not in self._packed:
             self._packed[key] = pack_weight(weight)
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def get(self, weight: torch.Tensor) -> Packed | None:
         return self._packed.get((weight.data_ptr(), tuple(weight.shape)))
 
     @contextmanager

@@ -32,13 +32,19 @@ import functools
 import torch
 from torch import nn
 
+from sparsevllm.layers import cpu_gemm
+from sparsevllm.layers.cpu_gemm import GemmWeight
+
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build packs weights of `dtype` for this CPU: oneDNN is present
-    and its reorder runs here (bfloat16 needs AVX512 BW/VL/DQ or AVX-NE-CONVERT;
-    elsewhere the model keeps plain `F.linear`, which computes bf16 through float32)."""
+    """Whether weights of `dtype` are packed on this CPU: bfloat16 where the native
+    kernel serves it (layers/cpu_gemm.py), or oneDNN is present and its reorder runs
+    here (bfloat16 needs AVX512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere the model keeps
+    plain `F.linear`, which computes bf16 through float32)."""
     packable = dtype in (torch.bfloat16, torch.float32)
-    return device.type == "cpu" and packable and _cpu_packs(dtype)
+    if device.type != "cpu" or not packable:
+        return False
+    return cpu_gemm.applies(torch.zeros(16, 16, dtype=dtype)) or _cpu_packs(dtype)
 
 
 @functools.cache
@@ -56,17 +62,27 @@ def _cpu_packs(dtype: torch.dtype) -> bool:
 PACK_ROWS = {torch.float32: 16, torch.bfloat16: 1}
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` `[out, in]` reordered into oneDNN's blocked layout (an opaque tensor)."""
+# A packed weight: the native kernel's layout, or oneDNN's (an opaque tensor).
+Packed = GemmWeight | torch.Tensor
+
+
+def pack_weight(weight: torch.Tensor) -> Packed:
+    """`weight` `[out, in]` in the native bfloat16 kernel's layout where it applies,
+    otherwise reordered into oneDNN's blocked layout."""
+    if cpu_gemm.applies(weight):
+        return cpu_gemm.pack(weight)
     rows = PACK_ROWS.get(weight.dtype, 1)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` over `pack_weight(weight)`; `x` `[..., in]`."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])  # [N, in]
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    if isinstance(packed, GemmWeight):
+        out = cpu_gemm.linear(flat, packed, bias)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     return out.reshape(*lead, out.shape[-1])
 
 

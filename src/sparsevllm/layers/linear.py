@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsevllm.layers.cpu_linear import PackedLinear, pack_weight, packed_linear
+from sparsevllm.layers.cpu_linear import Packed, PackedLinear, pack_weight, packed_linear
 
 
 class Projections:
@@ -26,7 +26,7 @@ class Projections:
         self.sizes = [lin.out_features for lin in linears]
         self.weight: torch.Tensor | None = None  # [sum(out), in] once fused
         self.bias: torch.Tensor | None = None
-        self.packed: torch.Tensor | None = None  # oneDNN's layout of `weight` (CPU bf16)
+        self.packed: Packed | None = None  # `weight` packed for the CPU's GEMMs
 
     def fuse(self) -> None:
         with torch.no_grad():

@@ -1,7 +1,8 @@
 """The gated feed-forward block (SwiGLU and friends), HF parameter names kept.
 
 `down_proj(act(gate_proj(x)) * up_proj(x))`, gate and up fused into one GEMM after
-loading (`layers/linear.py`). Llama's dense MLP and the shared experts of the DeepSeek
+loading (`layers/linear.py`); SiLU and the product in one native call on the CPU
+(`layers/cpu_silu_mul.py`). Llama's dense MLP and the shared experts of the DeepSeek
 MoE block (`layers/moe_shared.py`) are this module.
 """
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from sparsevllm.layers.activation import get_activation
+from sparsevllm.layers.cpu_silu_mul import silu_mul
 from sparsevllm.layers.linear import Projections
 
 
@@ -21,8 +23,11 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = get_activation(act)
+        self.silu = act in ("silu", "swish")
         self.gate_up = Projections(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)  # [T, I] each
-        return self.down_proj(self.act(gate) * up)  # [T, H]
+        native = silu_mul(gate, up) if self.silu and not x.is_cuda else None
+        hidden = native if native is not None else self.act(gate) * up
+        return self.down_proj(hidden)  # [T, H]

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from sparsevllm.layers.cpu_argmax import argmax as cpu_argmax
 from sparsevllm.sampling import SamplingParams
 from sparsevllm.upload import upload
 
@@ -138,7 +139,8 @@ class Sampler:
             apply_token_bitmask(logits, token_bitmask)
 
         # One argmax for every row is cheaper than splitting; sampled rows overwrite theirs.
-        token_ids = logits.argmax(dim=-1)
+        native = cpu_argmax(logits) if logits.device.type == "cpu" else None
+        token_ids = native if native is not None else logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             rows = upload(sampled, torch.long, logits.device)

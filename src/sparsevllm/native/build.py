@@ -60,6 +60,15 @@ def _processor() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The processor's feature flags (/proc/cpuinfo's; empty where there is none)."""
+    for line in _processor().splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
 def _compiler() -> tuple[str, str] | None:
     """The C compiler's path and version line, or None."""
     path = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")

@@ -22,6 +22,27 @@ static inline float rounded(float f, int dtype) {
     return f;
 }
 
+/* One row: x (element offset `in`) -> out (offset `o`). The element types are constants
+ * in each caller below, so the loops vectorize (a type switch per element kept a
+ * 4,096-row prefill norm at ~5 ms instead of well under one). */
+static inline __attribute__((always_inline)) void norm_row(const void *x, int64_t in, void *out,
+                                                           int64_t o, const void *weight, int n,
+                                                           float eps, int gemma, const int dtype,
+                                                           const int w_dtype) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float v = load_element(x, in + i, dtype);
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int i = 0; i < n; i++) {
+        const float normed = load_element(x, in + i, dtype) * inv;
+        const float w = load_element(weight, i, w_dtype);
+        const float y = gemma ? normed * (1.0f + w) : w * rounded(normed, dtype);
+        store_element(out, o + i, y, dtype);
+    }
+}
+
 /* x [rows, n] (row stride `stride` elements) -> out [rows, n] contiguous, both of
  * element type `dtype`; the weight [n] of element type `w_dtype`. */
 void svllm_rms_norm(const void *x, int64_t stride, void *out, const void *weight, int dtype,
@@ -29,17 +50,12 @@ void svllm_rms_norm(const void *x, int64_t stride, void *out, const void *weight
     /* A prefill chunk's thousands of rows over the threads; a decode step's few on one. */
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && rows >= 64)
     for (int64_t r = 0; r < rows; r++) {
-        float sum = 0.0f;
-        for (int i = 0; i < n; i++) {
-            const float v = load_element(x, r * stride + i, dtype);
-            sum += v * v;
-        }
-        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        for (int i = 0; i < n; i++) {
-            const float normed = load_element(x, r * stride + i, dtype) * inv;
-            const float w = load_element(weight, i, w_dtype);
-            const float y = gemma ? normed * (1.0f + w) : w * rounded(normed, dtype);
-            store_element(out, r * (int64_t)n + i, y, dtype);
-        }
+        const int64_t in = r * stride, o = r * (int64_t)n;
+        if (dtype == BF16 && w_dtype == BF16)
+            norm_row(x, in, out, o, weight, n, eps, gemma, BF16, BF16);
+        else if (dtype == F32 && w_dtype == F32)
+            norm_row(x, in, out, o, weight, n, eps, gemma, F32, F32);
+        else
+            norm_row(x, in, out, o, weight, n, eps, gemma, dtype, w_dtype);
     }
 }
