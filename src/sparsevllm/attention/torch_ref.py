@@ -123,8 +123,21 @@ class TorchRefBackend(AttentionBackend):
             if selected is None and self.sparse_prefill_applies(layer, n, length, window):
                 out[start : start + n] = self._attend_sparse(q_i, k_i, v_i, scale)
                 continue
-            out[start : start + n] = attend(q_i, k_i, v_i, scale, window, key_mask)
+            out[start : start + n] = self.attend_chunk(q_i, k_i, v_i, scale, window, key_mask)
         return out if expansion is None else _up_projected(expansion, out, expanded)
+
+    def attend_chunk(
+        self,
+        q: torch.Tensor,  # [n, Hq, D]
+        k: torch.Tensor,  # [L, Hkv, D]: the view, the queries' own keys last
+        v: torch.Tensor,  # [L, Hkv, Dv]
+        scale: float,
+        window: int | None,
+        key_mask: torch.Tensor | None,
+    ) -> torch.Tensor:  # [n, Hq, Dv]
+        """One sequence's queries over its (gathered) view: `attend`; a backend with a
+        faster kernel for some chunks overrides it."""
+        return attend(q, k, v, scale, window, key_mask)
 
     def decode_whole_views(
         self,

@@ -13,9 +13,11 @@
  * broadcast pair (x[2p], x[2p + 1]) of one input row and adds into 16 float32 sums.
  * Rows past n (the last block's padding) are zeros; k must be even.
  *
- * Blocks are split over the OpenMP threads. Each block computes up to TILE_M = 8 input
- * rows at once (16 accumulators: every weight vector loaded feeds 8 dot products);
- * more rows go tile by tile over the same block, which is in the cache by then. The sums
+ * Blocks are split over the OpenMP threads. Each block computes up to TILE_M = 12 input
+ * rows at once (24 accumulators and the two weight vectors in 32 registers: every weight
+ * vector loaded feeds 12 dot products); more rows go tile by tile over the same block,
+ * which is in the cache by then. At 16 rows, tiles of 12 and 4 took 11.4 ms for a decode
+ * step's layer GEMMs where tiles of 8 took 14.3 (the same Zen 4). The sums
  * are float32; the bias (float32 or bfloat16) is added in float32 and the outputs are
  * rounded to nearest even (bfloat16) or stored as float32. Products of two bfloat16
  * values are exact in float32; the instruction's additions round to nearest even with
@@ -27,7 +29,7 @@
 #include "elements.h"
 
 #define BLOCK_N 32
-#define TILE_M 8
+#define TILE_M 12
 
 /* Whether this build has the kernel (compiled for a processor with AVX512-BF16). */
 int svllm_gemm_bf16_supported(void) {
@@ -136,7 +138,11 @@ static void block_rows(const Gemm *g, int64_t block) {
             case 5: block_tile(g, x, out, block, 5); break;
             case 6: block_tile(g, x, out, block, 6); break;
             case 7: block_tile(g, x, out, block, 7); break;
-            default: block_tile(g, x, out, block, 8); break;
+            case 8: block_tile(g, x, out, block, 8); break;
+            case 9: block_tile(g, x, out, block, 9); break;
+            case 10: block_tile(g, x, out, block, 10); break;
+            case 11: block_tile(g, x, out, block, 11); break;
+            default: block_tile(g, x, out, block, 12); break;
         }
     }
 }
