@@ -20,6 +20,10 @@ H2O = dict(sparse_method="h2o", h2o_decode_budget=48, recent_keep_tokens=8)
 # State that moves with the chain too: per-head rows (AdaKV), the window's votes (R-KV).
 ADAKV = dict(sparse_method="adakv", decode_keep_tokens=64, recent_keep_tokens=8)
 RKV = dict(sparse_method="rkv", decode_keep_tokens=64, recent_keep_tokens=8, rkv_interval=4)
+# Engines compared bit for bit compute with the same threads: by default each picks the
+# cores no other process keeps busy, which under parallel test workers changes between
+# engines, and a float32 GEMM's sums follow its thread count.
+ONE_THREAD = dict(cpu_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +58,11 @@ def second_turn(llm: LLM, first) -> tuple:
 
 
 def test_disk_tier_restores_identical_kv_and_output(model, tmp_path):
-    calm_llm = LLM(model, **SNAPKV, **PRESSURE)
+    calm_llm = LLM(model, **ONE_THREAD, **SNAPKV, **PRESSURE)
     first = run_one(calm_llm, FIRST, chain_id="keep")
     calm = second_turn(calm_llm, first)
 
-    llm = LLM(model, **SNAPKV, **PRESSURE, disk_offload_dir=str(tmp_path))
+    llm = LLM(model, **ONE_THREAD, **SNAPKV, **PRESSURE, disk_offload_dir=str(tmp_path))
     first = run_one(llm, FIRST, chain_id="keep")
     saved = [(k.clone(), v.clone()) for k, v in views(llm, "keep")]
     squeeze(llm)
@@ -97,18 +101,18 @@ def test_cpu_tier_first_then_disk_and_the_size_cap(model, tmp_path):
 
 @pytest.mark.parametrize("method", [SNAPKV, H2O, ADAKV, RKV], ids=["snapkv", "h2o", "adakv", "rkv"])
 def test_a_restarted_engine_continues_a_saved_chain(model, tmp_path, method):
-    calm_llm = LLM(model, **method)
+    calm_llm = LLM(model, **ONE_THREAD, **method)
     first = run_one(calm_llm, FIRST, chain_id="keep")
     calm = second_turn(calm_llm, first)
 
-    before = LLM(model, **method, disk_offload_dir=str(tmp_path))
+    before = LLM(model, **ONE_THREAD, **method, disk_offload_dir=str(tmp_path))
     assert run_one(before, FIRST, chain_id="keep").token_ids == first.token_ids
     assert run_one(before, [3, 4, 5]).chain_id == "chain-1"
     before.close()  # idle chains go to disk
     directory = before.engine.store.tiers.disk.dir
     del before
 
-    after = LLM(model, **method, disk_offload_dir=str(tmp_path))
+    after = LLM(model, **ONE_THREAD, **method, disk_offload_dir=str(tmp_path))
     listed = after.engine.store.chains.listing()
     assert sorted((c["chain_id"], c["tier"], c["logical_tokens"]) for c in listed) == [
         ("chain-1", "disk", 3 + 9),
@@ -127,7 +131,7 @@ def test_a_restarted_engine_continues_a_saved_chain(model, tmp_path, method):
 
 
 def test_other_configurations_and_broken_files_are_not_used(model, tmp_path):
-    before = LLM(model, **SNAPKV, disk_offload_dir=str(tmp_path))
+    before = LLM(model, **ONE_THREAD, **SNAPKV, disk_offload_dir=str(tmp_path))
     first = run_one(before, FIRST, chain_id="keep")
     before.close()
     directory: Path = before.engine.store.tiers.disk.dir
@@ -135,12 +139,14 @@ def test_other_configurations_and_broken_files_are_not_used(model, tmp_path):
     (directory / "garbage.pt").write_bytes(b"not a torch file")
 
     # Another budget shapes the KV differently: its engine neither sees nor deletes it.
-    other = LLM(model, **{**SNAPKV, "decode_keep_tokens": 96}, disk_offload_dir=str(tmp_path))
+    other = LLM(
+        model, **ONE_THREAD, **{**SNAPKV, "decode_keep_tokens": 96}, disk_offload_dir=str(tmp_path)
+    )
     assert other.engine.store.chains.listing() == []
     out = run_one(other, FIRST + first.token_ids + NEW, chain_id="keep")
     assert out.chain_status == "not_found"
 
-    same = LLM(model, **SNAPKV, disk_offload_dir=str(tmp_path))
+    same = LLM(model, **ONE_THREAD, **SNAPKV, disk_offload_dir=str(tmp_path))
     assert len(list(directory.iterdir())) == 1  # the leftovers went, the chain stayed
     assert [c["chain_id"] for c in same.engine.store.chains.listing()] == ["keep"]
     # Pruning brings the chain back, and its ranges still mean the saved history's
@@ -154,9 +160,9 @@ def test_disk_tier_settings_are_validated(model, tmp_path):
     for kw in (dict(disk_offload_dir=str(tmp_path)), dict(cpu_offload_gb=1.0)):
         name = next(iter(kw))
         with pytest.raises(ValueError, match=f"{name} needs prefix caching"):
-            LLM(model, **SNAPKV, **kw, enable_prefix_caching=False)
+            LLM(model, **ONE_THREAD, **SNAPKV, **kw, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="disk_offload_gb must be > 0"):
-        LLM(model, **SNAPKV, disk_offload_dir=str(tmp_path), disk_offload_gb=0)
+        LLM(model, **ONE_THREAD, **SNAPKV, disk_offload_dir=str(tmp_path), disk_offload_gb=0)
 
 
 def test_restoring_from_cpu_under_pressure_keeps_the_chain_off_disk(model, tmp_path):

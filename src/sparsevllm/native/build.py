@@ -108,7 +108,10 @@ Argument = type[ctypes.c_void_p | ctypes.c_int | ctypes.c_int64 | ctypes.c_float
 
 
 def function(
-    name: str, symbol: str, argtypes: list[Argument], restype: type[ctypes.c_int] | None
+    name: str,
+    symbol: str,
+    argtypes: list[Argument],
+    restype: type[ctypes.c_int | ctypes.c_int64] | None,
 ) -> ctypes._NamedFuncPointer | None:
     """Function `symbol` of `<name>.c`'s library with its C signature, or None."""
     lib = load(name)

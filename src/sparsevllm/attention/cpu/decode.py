@@ -19,6 +19,11 @@ from sparsevllm.native.build import ELEMENT_TYPES, Argument, function
 # Keys per split of a view at least: below that a split's fixed cost outweighs the
 # parallelism it adds.
 MIN_SPLIT_KEYS = 64
+# Work items a step aims for: every thread of an 8-thread process twice over. A fixed
+# number rather than one from the threads in use: the splits set the order of a view's
+# sums, and an engine's outputs must not change with its thread count (engines of one
+# process can pick different counts, from the cores other processes keep busy).
+TARGET_ITEMS = 16
 LOG2E = math.log2(math.e)
 
 
@@ -43,10 +48,10 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def num_splits(num_seqs: int, max_len: int, threads: int) -> int:
-    """Splits per view (a work item is a sequence's split, every KV head): enough items
-    for every thread twice over, each split at least MIN_SPLIT_KEYS keys."""
-    want = math.ceil(2 * threads / max(num_seqs, 1))
+def num_splits(num_seqs: int, max_len: int) -> int:
+    """Splits per view (a work item is a sequence's split, every KV head): TARGET_ITEMS
+    items, each split at least MIN_SPLIT_KEYS keys."""
+    want = math.ceil(TARGET_ITEMS / max(num_seqs, 1))
     return max(1, min(want, max_len // MIN_SPLIT_KEYS))
 
 
@@ -78,7 +83,7 @@ def decode_attention(
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, value_dim = k.shape[1], v.shape[2]
     threads = torch.get_num_threads()
-    splits = num_splits(num_seqs, max_len, threads)
+    splits = num_splits(num_seqs, max_len)
     out = torch.empty(num_seqs, num_q_heads, value_dim, dtype=q.dtype)
     rows, lens = rows.contiguous(), lens.contiguous()
     failed = fn(
