@@ -113,14 +113,22 @@ def function(
     argtypes: list[Argument],
     restype: type[ctypes.c_int | ctypes.c_int64] | None,
 ) -> ctypes._NamedFuncPointer | None:
-    """Function `symbol` of `<name>.c`'s library with its C signature, or None."""
+    """Function `symbol` of `<name>.c`'s library with its C signature, or None. Looked
+    up once per library: `lib[symbol]` builds a new function object on every call (about
+    3 us, and a decode step makes a few hundred calls)."""
     lib = load(name)
     if lib is None:
         return None
-    fn = lib[symbol]
-    if fn.argtypes is None:
+    key = (id(lib), symbol)
+    found = _FUNCTIONS.get(key)
+    if found is None:
+        fn = lib[symbol]
         fn.argtypes, fn.restype = argtypes, restype
-    return fn
+        found = _FUNCTIONS[key] = (lib, fn)  # the library kept alive: its id stays its own
+    return found[1]
+
+
+_FUNCTIONS: dict[tuple[int, str], tuple[ctypes.CDLL, ctypes._NamedFuncPointer]] = {}
 
 
 @functools.cache
