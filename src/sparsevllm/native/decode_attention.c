@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "elements.h"
+#include "exp2.h"
 
 /* Keys ahead whose rows are prefetched. */
 #define PREFETCH_AHEAD 8
@@ -63,25 +64,8 @@ static inline void prefetch_row(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
-/* 2^x for x <= 0: 2^round(x) from the exponent bits times a degree-6 polynomial of the
- * remainder in [-0.5, 0.5] (Cephes' exp2f coefficients, relative error ~2e-7). Written
- * without calls so that loops over it vectorize. */
-static inline float exp2_nonpositive(float x) {
-    x = x < -125.0f ? -125.0f : x;
-    float whole = __builtin_floorf(x + 0.5f);
-    float f = x - whole;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)whole + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+/* 2^x for x <= 0 (exp2.h; clamped at -125). */
+static inline float exp2_nonpositive(float x) { return exp2_clamped(x, -125.0f); }
 
 /* The largest of x[0 .. n-1]: MAX_LANES running maxima (a select per lane vectorizes,
  * a reduction over `>` does not without finite-math flags), then the lanes'. */

@@ -6,8 +6,8 @@
  *
  * The rounding points of the torch form `F.silu(gate) * up` in the element type: SiLU
  * in float32, g / (1 + e^-g), rounded to the element type; the product in float32,
- * rounded. e^-g is 2^(-g log2 e) by a polynomial (relative error ~2e-7, as
- * decode_attention.c's), so a float32 result may differ from torch's in the last bit.
+ * rounded. e^-g is 2^(-g log2 e) by exp2.h's polynomial (relative error ~2e-7), so a
+ * float32 result may differ from torch's in the last bit.
  * Element types as in elements.h: float32 and bfloat16 (float16's conversions made the
  * kernel slower than torch's operators; layers/cpu_silu_mul.py keeps torch for it).
  */
@@ -15,30 +15,13 @@
 #include <string.h>
 
 #include "elements.h"
-
-/* 2^x for x in [-126, 127] (clamped): 2^round(x) from the exponent bits times a degree-6
- * polynomial of the remainder. Written without calls so that loops over it vectorize. */
-static inline float exp2_clamped(float x) {
-    x = x < -126.0f ? -126.0f : (x > 127.0f ? 127.0f : x);
-    const float whole = __builtin_floorf(x + 0.5f), f = x - whole;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    const int32_t bits = ((int32_t)whole + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "exp2.h"
 
 /* Where e^-g overflows float32 (g < -88.7) torch's quotient is -0 (NaN at -inf): the
  * clamped power is replaced by infinity there to give the same. */
 static inline float silu(float g) {
     const float e = -1.4426950408889634f * g;
-    const float power = e > 127.0f ? __builtin_inff() : exp2_clamped(e);
+    const float power = e > 127.0f ? __builtin_inff() : exp2_clamped(e, -126.0f);
     return g / (1.0f + power);
 }
 
