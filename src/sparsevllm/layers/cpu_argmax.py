@@ -20,10 +20,12 @@ _ARGS: list[Argument] = [_P, _I64, _I64, _I64, _P, _I32]
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:  # [B] int64
     """`logits.argmax(dim=-1)` for `logits` `[B, V]` (ties and NaNs as torch resolves
     them: the first maximal index, a NaN above every number), or None."""
-    fn = function("argmax", "svllm_argmax_f32", _ARGS, None)
-    if fn is None or logits.dtype != torch.float32 or logits.device.type != "cpu":
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
         return None
     if logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
+        return None
+    fn = function("argmax", "svllm_argmax_f32", _ARGS, None)
+    if fn is None:
         return None
     rows, width = logits.shape
     out = torch.empty(rows, dtype=torch.int64)

@@ -51,12 +51,18 @@ def _supported() -> bool:
     return fn is not None and fn() == 1
 
 
+def serves(dtype: torch.dtype) -> bool:
+    """Whether the kernel serves CPU weights of `dtype`: bfloat16 on a processor with
+    AVX512-BF16 (where this build has it)."""
+    return dtype == torch.bfloat16 and _supported()
+
+
 def applies(weight: torch.Tensor) -> bool:
-    """Whether `weight` `[out, in]` is served by the kernel: bfloat16 on the CPU, an even
-    number of input features, a processor with AVX512-BF16."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+    """Whether `weight` `[out, in]` is served by the kernel: `serves` its dtype, on the
+    CPU, with an even number of input features."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] % 2:
         return False
-    return weight.shape[1] % 2 == 0 and _supported()
+    return serves(weight.dtype)
 
 
 def _amx() -> bool:

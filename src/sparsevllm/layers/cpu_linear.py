@@ -44,7 +44,7 @@ def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
     packable = dtype in (torch.bfloat16, torch.float32)
     if device.type != "cpu" or not packable:
         return False
-    return cpu_gemm.applies(torch.zeros(16, 16, dtype=dtype)) or _cpu_packs(dtype)
+    return cpu_gemm.serves(dtype) or _cpu_packs(dtype)
 
 
 @functools.cache

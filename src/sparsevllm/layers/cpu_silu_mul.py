@@ -23,11 +23,11 @@ def silu_mul(
 ) -> torch.Tensor | None:  # [T, I] contiguous
     """`F.silu(gate) * up` (gate and up may be strided views of one GEMM's output), or
     None."""
-    fn = function("silu_mul", "svllm_silu_mul", _ARGS, None)
-    if gate.dtype not in (torch.float32, torch.bfloat16):
+    if gate.device.type != "cpu" or gate.dtype not in (torch.float32, torch.bfloat16):
         return None  # float16: the kernel's conversions were slower than torch's
     code = ELEMENT_TYPES[gate.dtype]
-    if fn is None or up.dtype != gate.dtype or gate.device.type != "cpu":
+    fn = function("silu_mul", "svllm_silu_mul", _ARGS, None)
+    if fn is None or up.dtype != gate.dtype:
         return None
     if gate.dim() != 2 or gate.shape != up.shape or gate.stride(1) != 1 or up.stride(1) != 1:
         return None

@@ -28,6 +28,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)  # [T, I] each
-        native = silu_mul(gate, up) if self.silu and not x.is_cuda else None
+        native = silu_mul(gate, up) if self.silu else None  # None off the CPU
         hidden = native if native is not None else self.act(gate) * up
         return self.down_proj(hidden)  # [T, H]

@@ -139,7 +139,7 @@ class Sampler:
             apply_token_bitmask(logits, token_bitmask)
 
         # One argmax for every row is cheaper than splitting; sampled rows overwrite theirs.
-        native = cpu_argmax(logits) if logits.device.type == "cpu" else None
+        native = cpu_argmax(logits)  # None off the CPU
         token_ids = native if native is not None else logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
