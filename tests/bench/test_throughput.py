@@ -72,6 +72,22 @@ def test_compare_hf_reports_ratios(tiny_llama: str, tmp_path: Path) -> None:
     assert r["speedup_vs_hf_end_to_end"] > 0
 
 
+def test_compare_hf_out_of_memory_names_the_flag(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from transformers import GenerationMixin
+
+    def no_room(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB.")
+
+    monkeypatch.setattr(GenerationMixin, "generate", no_room)
+    args = ["bench", "throughput", "--model", tiny_llama, "--prompt-len", "40"]
+    args += ["--output-len", "4", "--batch-size", "2", "--dtype", "float32", "--compare", "hf"]
+    with pytest.raises(SystemExit, match=r"out of device memory at batch 2 x 40 .*--hf-batch-size"):
+        main(args)
+
+
 def test_async_scheduling_flag_reaches_the_engine(tiny_llama: str, tmp_path: Path) -> None:
     out = tmp_path / "a.json"
     args = ["bench", "throughput", "--model", tiny_llama, "--prompt-len", "40"]

@@ -53,9 +53,18 @@ def hf_generate_throughput(args: argparse.Namespace, report: dict[str, Any]) -> 
         with torch.inference_mode():
             hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **common)
 
-    gen(2)  # warm up kernels and the static cache
-    prefill = _timed(lambda: gen(1), runner.device)
-    total = _timed(lambda: gen(olen), runner.device)
+    try:
+        gen(2)  # warm up kernels and the static cache
+        prefill = _timed(lambda: gen(1), runner.device)
+        total = _timed(lambda: gen(olen), runner.device)
+    except torch.OutOfMemoryError as exc:
+        # transformers prefills the whole batch in one forward: its activations, beside
+        # the static cache, can outgrow a device that our chunked prefill fits.
+        raise SystemExit(
+            f"--compare hf: transformers ran out of device memory at batch {batch} x "
+            f"{plen} tokens (it prefills the whole batch at once); pass a smaller "
+            f"--hf-batch-size (its rates are per token, so they stay comparable)"
+        ) from exc
     decode = max(total - prefill, 1e-9)
     return {
         "impl": "transformers.generate(static cache)",
