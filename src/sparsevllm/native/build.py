@@ -107,6 +107,12 @@ ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 Argument = type[ctypes.c_void_p | ctypes.c_int | ctypes.c_int64 | ctypes.c_float]
 
 
+# (id of the loaded library, symbol) -> (the library, its function). Keyed by the
+# library object rather than its name: a cleared `load` cache (a test without a compiler)
+# must not keep handing out an earlier library's functions.
+_FUNCTIONS: dict[tuple[int, str], tuple[ctypes.CDLL, ctypes._NamedFuncPointer]] = {}
+
+
 def function(
     name: str,
     symbol: str,
@@ -126,9 +132,6 @@ def function(
         fn.argtypes, fn.restype = argtypes, restype
         found = _FUNCTIONS[key] = (lib, fn)  # the library kept alive: its id stays its own
     return found[1]
-
-
-_FUNCTIONS: dict[tuple[int, str], tuple[ctypes.CDLL, ctypes._NamedFuncPointer]] = {}
 
 
 @functools.cache

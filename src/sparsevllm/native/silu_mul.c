@@ -12,7 +12,6 @@
  * kernel slower than torch's operators; layers/cpu_silu_mul.py keeps torch for it).
  */
 #include <stdint.h>
-#include <string.h>
 
 #include "elements.h"
 #include "exp2.h"
