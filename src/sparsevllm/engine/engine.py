@@ -19,6 +19,7 @@ from sparsevllm.engine.cache.store import (
     store_stats,
 )
 from sparsevllm.engine.capacity import CapacityPlan, resolve_max_model_len
+from sparsevllm.engine.cpu_memory import keep_step_memory
 from sparsevllm.engine.cpu_threads import apply_cpu_threads
 from sparsevllm.engine.devices import resolve_device, resolve_dtype
 from sparsevllm.engine.kv_pool import KVPool, shuffle_seed
@@ -66,6 +67,7 @@ class LLMEngine:
         size = config.tensor_parallel_size
         if device.type == "cpu":  # before loading: the sample must not see our own work
             apply_cpu_threads(config.cpu_threads, share=size)
+            keep_step_memory()
         if tp is None and size > 1:
             # Settings each process would resolve for itself are resolved once, here:
             # a worker's own guess (e.g. dtype auto after a test's patch) could differ.
