@@ -38,9 +38,10 @@
 /* Products of up to this many rows take TILE_M. */
 #define FEW_ROWS 16
 /* Pairs of input columns ahead whose weights are prefetched, into the level-2 cache: a
- * decode step streams the weights from memory, and 16 pairs ahead into the first level
- * (2 KB) left the loads waiting (the default model's linears at 16 rows: 6.2 against 8.4
- * ms, at one row 4.8 against 5.2; the same Zen 4, weights from memory). */
+ * decode step streams the weights from memory, where 16 pairs ahead into the first level
+ * (2 KB) left loads waiting. The default model's linears alone, from memory, at 16 rows:
+ * 6.2 against 8.4 ms; its whole decode steps, the two builds alternating in one engine:
+ * 31.1-31.5 against 31.6-32.4 ms at batch 16, 16.1 against 16.3 at batch 1 (Zen 4). */
 #define PREFETCH_PAIRS 64
 
 /* Whether this build has the kernel (compiled for a processor with AVX512-BF16). */
