@@ -39,8 +39,9 @@ def keep_step_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; a fixed value also stops glibc's own adjusting.
-    done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    done = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and done
+    mmap_set = int(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) == 1
+    trim_set = int(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)) == 1
+    done = mmap_set and trim_set
     if not done:
         logger.warning("glibc refused the allocator thresholds: steps may fault their memory in")
     return done

@@ -253,9 +253,9 @@ static inline __attribute__((always_inline)) void logits_bf16(
         const uint16_t *rows[BF16_KEYS];
         for (int t = 0; t < count; t++) {
             rows[t] = k + (int64_t)slots[j0 + t] * w->k_slot;
-            if (j0 + BF16_KEYS + t < b)
-                prefetch_row_l2((const char *)(k + (int64_t)slots[j0 + BF16_KEYS + t] * w->k_slot),
-                             row_bytes);
+            if (j0 + BF16_KEYS + t < b) /* the next block's rows */
+                prefetch_row_l2(
+                    (const char *)(k + (int64_t)slots[j0 + BF16_KEYS + t] * w->k_slot), row_bytes);
         }
         const __mmask16 live =
             count == BF16_KEYS ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
@@ -289,9 +289,9 @@ static inline __attribute__((always_inline)) void values_bf16(
     const uint16_t *v = (const uint16_t *)w->v;
     for (int j0 = a; j0 < b; j0 += BF16_KEYS) {
         const int count = b - j0 < BF16_KEYS ? b - j0 : BF16_KEYS;
-        for (int t = 0; t < count && j0 + BF16_KEYS + t < b; t++)
+        for (int t = 0; t < count && j0 + BF16_KEYS + t < b; t++) /* the next block's */
             prefetch_row_l2((const char *)(v + (int64_t)slots[j0 + BF16_KEYS + t] * w->v_slot),
-                         row_bytes);
+                            row_bytes);
         for (int h = 0; h < w->num_kv_heads; h++) {
             for (int t = 0; t < count; t++) {
                 const uint16_t *row = v + (int64_t)slots[j0 + t] * w->v_slot + (int64_t)h * dv;
@@ -305,7 +305,7 @@ static inline __attribute__((always_inline)) void values_bf16(
             for (int hq = h * group; hq < (h + 1) * group; hq++) {
                 const float *p = probs + (int64_t)hq * n + (j0 - a);
                 float *out = acc + (int64_t)hq * dv;
-                __m512 sums[16]; /* Dv <= 256 */
+                __m512 sums[8]; /* Dv <= 128 (bf16_path) */
                 for (int e = 0; e < dv / 16; e++) sums[e] = _mm512_loadu_ps(out + 16 * e);
                 for (int t = 0; t < count; t++) {
                     const __m512 pt = _mm512_set1_ps(p[t]);
@@ -319,8 +319,8 @@ static inline __attribute__((always_inline)) void values_bf16(
     }
 }
 
-/* attend_part for a bfloat16 pool and bfloat16 queries; `block`
- * holds 16 widened value rows. */
+/* attend_part for a bfloat16 pool and bfloat16 queries; `block` holds 16 widened value
+ * rows. */
 static inline __attribute__((always_inline)) void attend_part_bf16(
     const Views *w, int s, int a, int b, Part out, float *logits, float *block, const int d,
     const int dv) {
