@@ -77,6 +77,8 @@ def pack_weight(weight: torch.Tensor) -> Packed:
 
 def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` over `pack_weight(weight)`; `x` `[..., in]`."""
+    if x.dim() == 2 and isinstance(packed, GemmWeight):
+        return cpu_gemm.linear(x, packed, bias)  # a step's rows: no reshapes (2 us a call)
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])  # [N, in]
     if isinstance(packed, GemmWeight):

@@ -37,7 +37,8 @@ def rms_norm(
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None  # the kernel has no backward
-    rows = x.reshape(-1, hidden)  # a view where the rows are evenly strided
+    # a view where the rows are evenly strided (a step's [T, hidden] is already)
+    rows = x if x.dim() == 2 else x.reshape(-1, hidden)
     if rows.stride(1) != 1:
         return None
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
