@@ -161,6 +161,15 @@ static inline __attribute__((always_inline)) void part_values(
     }
 }
 
+/* The part of no keys yet: sums and outputs zero, maxima at the lowest float. */
+static inline void empty_part(Part out, int hq_count, int dv) {
+    memset(out.acc, 0, sizeof(float) * (size_t)hq_count * (size_t)dv);
+    for (int hq = 0; hq < hq_count; hq++) {
+        out.m[hq] = -FLT_MAX;
+        out.l[hq] = 0.0f;
+    }
+}
+
 /* Each query head's logits row [n] of `logits` [Hq, n] into exp2 of its differences
  * from the row's maximum, the maximum and the sum into the part. */
 static inline void softmax_rows(int hq_count, int n, float *logits, Part out) {
@@ -184,11 +193,7 @@ static inline __attribute__((always_inline)) void attend_part(
     const int hq_count = w->num_q_heads, n = b - a;
     const int32_t *slots = w->table + (int64_t)w->rows[s] * w->table_row;
     const float *q = w->q + (int64_t)s * hq_count * d;
-    memset(out.acc, 0, sizeof(float) * (size_t)hq_count * (size_t)dv);
-    for (int hq = 0; hq < hq_count; hq++) {
-        out.m[hq] = -FLT_MAX;
-        out.l[hq] = 0.0f;
-    }
+    empty_part(out, hq_count, dv);
     if (n <= 0) return;
     part_logits(w, q, slots, a, b, logits, row, d);
     softmax_rows(hq_count, n, logits, out);
@@ -327,8 +332,7 @@ static inline __attribute__((always_inline)) void attend_part_bf16(
     const int n = b - a;
     const int32_t *slots = w->table + (int64_t)w->rows[s] * w->table_row;
     const uint16_t *q = w->q_bf16 + (int64_t)s * w->q_stride_s;
-    memset(out.acc, 0, sizeof(float) * (size_t)w->num_q_heads * (size_t)dv);
-    for (int hq = 0; hq < w->num_q_heads; hq++) out.m[hq] = -FLT_MAX, out.l[hq] = 0.0f;
+    empty_part(out, w->num_q_heads, dv);
     if (n <= 0) return;
     logits_bf16(w, q, slots, a, b, logits, d);
     softmax_rows(w->num_q_heads, n, logits, out);
@@ -466,11 +470,13 @@ int svllm_decode_attention(const void *q, int q_dtype, int64_t q_stride_s, int64
     if (!ws) return 1;
     float *ws_m = ws, *ws_l = ws + rows_out, *ws_acc = ws + 2 * rows_out;
     float *qf = ws_acc + rows_out * value_dim, *outf = qf + q_count;
-    load_queries(q, q_dtype, q_stride_s, q_stride_h, num_seqs, num_q_heads, head_dim, scale, qf);
     const Views w = {qf, q_dtype == BF16 ? (const uint16_t *)q : NULL, q_stride_s, q_stride_h,
                      k, v, k_slot, v_slot, table, table_row, rows, lens, kv_dtype,
                      kv_dtype == F32 ? 4 : 2, num_q_heads, num_kv_heads, head_dim,
                      value_dim, window, splits, scale};
+    if (!bf16_path(&w)) /* the bfloat16 path reads the queries as given */
+        load_queries(q, q_dtype, q_stride_s, q_stride_h, num_seqs, num_q_heads, head_dim,
+                     scale, qf);
     /* per thread: logits [Hq, chunk], value rows, the part's m, l [Hq] and acc [Hq, Dv] */
     const size_t per_thread =
         (size_t)num_q_heads * ((size_t)chunk + 2 + (size_t)value_dim) + (size_t)value_rows(&w);

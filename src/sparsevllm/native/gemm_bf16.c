@@ -20,8 +20,9 @@
  * of 12 and 4 took 11.4 ms for a decode step's layer GEMMs where tiles of 8 took 14.3
  * (the same Zen 4). The sums are float32; the bias (float32 or bfloat16) is added in
  * float32 and the outputs are rounded to nearest even (bfloat16) or stored as float32.
- * Products of two bfloat16 values are exact in float32; the instruction's additions round to nearest even with
- * denormals flushed, as oneDNN's bfloat16 GEMMs on the same instruction do.
+ * Products of two bfloat16 values are exact in float32; the instruction's additions
+ * round to nearest even with denormals flushed, as oneDNN's bfloat16 GEMMs on the same
+ * instruction do.
  */
 #include <stdint.h>
 #include <string.h>
